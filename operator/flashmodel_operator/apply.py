@@ -1,0 +1,159 @@
+"""The only module that talks to the API server: reads, server-side apply, status, events."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from typing import Any, Literal
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+from prometheus_client import Counter
+
+from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, PLURAL, VERSION
+from flashmodel_operator.render import APPLIED_HASH_ANNOTATION, content_hash
+
+log = logging.getLogger(__name__)
+
+API_WRITES = Counter(
+    "flashmodel_operator_api_writes_total", "Writes the operator sent to the API server", ["verb", "kind"]
+)
+
+ApplyResult = Literal["created", "updated", "unchanged"]
+
+# Where each child kind lives in the REST API (the operator writes no other kinds).
+_PATHS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "/api/v1/namespaces/{ns}/configmaps",
+    ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    ("v1", "Secret"): "/api/v1/namespaces/{ns}/secrets",
+    ("v1", "Pod"): "/api/v1/namespaces/{ns}/pods",
+    ("v1", "Event"): "/api/v1/namespaces/{ns}/events",
+    ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
+    ("policy/v1", "PodDisruptionBudget"): "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+    (f"{GROUP}/{VERSION}", KIND): f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}",
+}
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    return _PATHS[(api_version, kind)].format(ns=namespace)
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """True when every field of `desired` is present in `live` with the same value.
+
+    The API server adds defaults (so live has more) and may render scalars differently
+    (a port as int or string), so scalars compare by their text.
+    """
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
+    if isinstance(desired, bool) or isinstance(live, bool):
+        return live is desired
+    return str(live) == str(desired)
+
+
+class Cluster:
+    """A thin typed front to the API server; counts every write it sends."""
+
+    def __init__(self, api: k8s.ApiClient) -> None:
+        self.api = api
+        self.writes = 0
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, Any]] | None = None,
+              content_type: str | None = None, kind: str = "") -> Any:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        if method != "GET":
+            with self._lock:
+                self.writes += 1
+            API_WRITES.labels(verb=method, kind=kind).inc()
+        return self.api.call_api(
+            path, method, query_params=query or [], header_params=headers, body=body,
+            response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
+        )
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self._call("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return result
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        result = self._call("GET", collection_path(api_version, kind, namespace), query=[("labelSelector", selector)])
+        items: list[dict[str, Any]] = result.get("items", [])
+        return items
+
+    def apply(self, desired: dict[str, Any]) -> ApplyResult:
+        """Server-side apply `desired` unless the live object already matches it; force only on our children."""
+        meta = desired["metadata"]
+        digest = content_hash(desired)
+        live = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        if live is not None:
+            applied = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)
+            if applied == digest and contains(live, desired):
+                return "unchanged"
+        body = {**desired, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}}}
+        path = f"{collection_path(desired['apiVersion'], desired['kind'], meta['namespace'])}/{meta['name']}"
+        self._call(
+            "PATCH", path, body=body, kind=desired["kind"],
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
+        return "created" if live is None else "updated"
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        try:
+            self._call("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}", kind=kind)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def get_flashmodel(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.get(f"{GROUP}/{VERSION}", KIND, namespace, name)
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        path = f"{collection_path(f'{GROUP}/{VERSION}', KIND, namespace)}/{name}/status"
+        self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json", kind=KIND)
+
+    def event(self, involved: dict[str, Any], type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        """Record a core/v1 Event on `involved` (a FlashModel or a Pod)."""
+        meta = involved["metadata"]
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", f"{GROUP}/{VERSION}"),
+                "kind": involved.get("kind", KIND),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "eventTime": now,
+            "action": reason,
+            "reportingInstance": FIELD_MANAGER,
+            "count": 1,
+        }
+        try:
+            self._call("POST", collection_path("v1", "Event", meta["namespace"]), body=body, kind="Event")
+        except ApiException as exc:
+            # An event that cannot be written must not fail the reconcile that caused it.
+            log.warning("event=dropped object=%s/%s reason=%s status=%s", meta["namespace"], meta["name"], reason, exc.status)

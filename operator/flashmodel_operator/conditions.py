@@ -1,0 +1,98 @@
+"""Status conditions (Ready, Progressing, Degraded) as a pure function of what was observed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a FlashModel cannot reach its desired state; becomes the Degraded condition."""
+
+    reason: str
+    """CamelCase reason, e.g. PreflightFailed."""
+    message: str
+    """What was wrong, the value seen, and what to change."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the operator saw of one FlashModel's children in one pass."""
+
+    generation: int
+    desired_replicas: int
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    prewarmed_replicas: int = 0
+    deployment_generation_observed: bool = False
+    """The Deployment controller has seen the latest pod template."""
+    problem: Problem | None = None
+
+
+def _condition(
+    kind: str, status: bool, reason: str, message: str, generation: int, previous: dict[str, dict[str, Any]], now: str
+) -> dict[str, Any]:
+    text = "True" if status else "False"
+    before = previous.get(kind)
+    # lastTransitionTime moves only when the status flips, as the API conventions ask.
+    since = before["lastTransitionTime"] if before and before.get("status") == text and "lastTransitionTime" in before else now
+    return {
+        "type": kind,
+        "status": text,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": since,
+    }
+
+
+def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str) -> list[dict[str, Any]]:
+    """The three conditions for this pass; `previous` keeps transition times stable."""
+    before = {c.get("type", ""): c for c in previous}
+    gen = obs.generation
+    want = obs.desired_replicas
+
+    if obs.problem is not None:
+        degraded = _condition(DEGRADED, True, obs.problem.reason, obs.problem.message, gen, before, now)
+    else:
+        degraded = _condition(DEGRADED, False, "AsExpected", "no problem seen", gen, before, now)
+
+    rolling = not obs.deployment_generation_observed or obs.updated_replicas < want or obs.replicas > want
+    if obs.problem is not None:
+        progressing = _condition(PROGRESSING, False, "Blocked", obs.problem.message, gen, before, now)
+    elif rolling:
+        msg = f"{obs.updated_replicas}/{want} pods run the current spec"
+        progressing = _condition(PROGRESSING, True, "RollingOut", msg, gen, before, now)
+    elif obs.ready_replicas < want:
+        msg = f"{obs.ready_replicas}/{want} pods ready, {obs.prewarmed_replicas} prewarmed"
+        progressing = _condition(PROGRESSING, True, "WaitingForReadyPods", msg, gen, before, now)
+    else:
+        progressing = _condition(PROGRESSING, False, "RolloutComplete", f"{want} pods run the current spec", gen, before, now)
+
+    if obs.problem is not None:
+        ready = _condition(READY, False, obs.problem.reason, obs.problem.message, gen, before, now)
+    elif want == 0:
+        ready = _condition(READY, False, "ScaledToZero", "spec.replicas is 0", gen, before, now)
+    elif obs.ready_replicas >= want and not rolling:
+        ready = _condition(READY, True, "AllReplicasReady", f"{obs.ready_replicas}/{want} pods ready and prewarmed", gen, before, now)
+    else:
+        msg = f"{obs.ready_replicas}/{want} pods ready"
+        ready = _condition(READY, False, "ReplicasNotReady", msg, gen, before, now)
+    return [ready, progressing, degraded]
+
+
+def same_conditions(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Equal for status purposes: transition times aside, nothing a reader would see changed."""
+
+    def key(conds: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        return sorted(
+            (c.get("type"), c.get("status"), c.get("reason"), c.get("message"), c.get("observedGeneration")) for c in conds
+        )
+
+    return key(a) == key(b)

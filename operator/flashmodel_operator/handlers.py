@@ -1,0 +1,95 @@
+"""kopf handlers: parse the event, call reconcile, nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
+from flashmodel_operator.apply import Cluster
+from flashmodel_operator.reconcile import reconcile
+
+log = logging.getLogger(__name__)
+
+RESYNC_SECONDS = float(os.environ.get("FLASHMODEL_RESYNC_SECONDS", "60"))
+_OWNED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
+
+_cluster: Cluster | None = None
+
+
+def cluster() -> Cluster:
+    """The one API client of this process, made on first use (after kopf has logged in)."""
+    global _cluster
+    if _cluster is None:
+        try:
+            k8s_config.load_incluster_config()
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config()
+        configuration = k8s.Configuration.get_default_copy()
+        # Sync handlers run in kopf's thread pool; give each worker a pooled connection.
+        configuration.connection_pool_maxsize = 32
+        _cluster = Cluster(k8s.ApiClient(configuration))
+    return _cluster
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # The operator writes its own events, once per change; kopf's per-handler events would
+    # turn every resync into API writes.
+    settings.posting.enabled = False
+    settings.execution.max_workers = 16
+    settings.watching.server_timeout = 300
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+
+
+def _reconcile_latest(namespace: str, name: str) -> None:
+    # Read the object fresh: the status this pass compares against must be the latest written.
+    body = cluster().get_flashmodel(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    outcome = reconcile(cluster(), body)
+    changed = {k: v for k, v in outcome.applied.items() if v != "unchanged"}
+    if changed or outcome.status_written:
+        log.info("event=reconciled model=%s/%s applied=%s status_written=%s problem=%s", namespace, name,
+                 changed, outcome.status_written, outcome.problem.reason if outcome.problem else None)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def on_flashmodel_change(namespace: str, name: str, **_: Any) -> None:
+    _reconcile_latest(namespace, name)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(namespace: str, name: str, **_: Any) -> None:
+    # Catches drift in children and anything a missed watch event would have told us.
+    _reconcile_latest(namespace, name)
+
+
+def _owner_name(body: kopf.Body) -> str | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == "FlashModel" and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            return str(ref["name"])
+    return None
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_OWNED)
+def on_deployment_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
+    owner = _owner_name(body)
+    if owner is not None and type != "DELETED":
+        _reconcile_latest(namespace, owner)
+
+
+@kopf.on.event("", "v1", "pods", labels=_OWNED)
+def on_pod_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
+    # Pods belong to ReplicaSets; the model label names the FlashModel directly.
+    model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
+    if model:
+        _reconcile_latest(namespace, model)

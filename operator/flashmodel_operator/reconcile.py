@@ -1,0 +1,208 @@
+"""One reconcile pass: parse -> render -> apply -> observe -> status, writing only what changed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from flashmodel_operator import GROUP
+from flashmodel_operator.apply import Cluster
+from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
+from flashmodel_operator.model import FlashModel
+from flashmodel_operator.render import (
+    CONFIG_HASH_ANNOTATION,
+    ENGINE_PORT,
+    PREFLIGHT_EXIT_CODE,
+    PREWARM_GATE,
+    engine_config,
+    render_children,
+    render_pod_template,
+    selector_string,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_ANNOTATION = f"{GROUP}/retry"
+"""Change this annotation's value to retry a model whose preflight was refused, without a spec change."""
+
+# One pass per FlashModel at a time: the timer, spec changes and child events all reconcile.
+_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+
+@dataclass
+class Outcome:
+    """What a pass did, for logs and tests."""
+
+    applied: dict[str, str] = field(default_factory=dict)
+    status_written: bool = False
+    problem: Problem | None = None
+
+
+def engine_args(config: dict[str, Any]) -> list[str]:
+    """The vLLM command line the pods will run, from the same function the launcher uses."""
+    # Imported here: the engine package is optional at import time for tools that only render.
+    from flashmodel_engine.config import EngineConfig
+    from flashmodel_engine.profiles import vllm_args
+
+    return vllm_args(EngineConfig.model_validate(config))
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _retry_token(body: dict[str, Any]) -> str:
+    return str((body.get("metadata", {}).get("annotations") or {}).get(RETRY_ANNOTATION, ""))
+
+
+def _pod_is_prewarmed(pod: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") == PREWARM_GATE and c.get("status") == "True" for c in pod.get("status", {}).get("conditions") or []
+    )
+
+
+def preflight_refusal(pods: list[dict[str, Any]], config_hash: str) -> tuple[str, str] | None:
+    """(pod, message) of a pod of the current template whose launcher refused to start."""
+    for pod in pods:
+        annotations = pod.get("metadata", {}).get("annotations") or {}
+        if annotations.get(CONFIG_HASH_ANNOTATION) != config_hash:
+            continue
+        for status in pod.get("status", {}).get("containerStatuses") or []:
+            for state in (status.get("state") or {}, status.get("lastState") or {}):
+                terminated = state.get("terminated") or {}
+                if terminated.get("exitCode") == PREFLIGHT_EXIT_CODE:
+                    message = (terminated.get("message") or "preflight failed (no message)").strip()
+                    return pod["metadata"]["name"], message
+    return None
+
+
+def reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
+    meta = body["metadata"]
+    with _locks[(meta["namespace"], meta["name"])]:
+        return _reconcile(cluster, body)
+
+
+def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
+    outcome = Outcome()
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    generation = int(meta.get("generation", 1))
+    status: dict[str, Any] = dict(body.get("status") or {})
+    new_status: dict[str, Any] = {"observedGeneration": generation}
+
+    problem: Problem | None = None
+    fm: FlashModel | None = None
+    try:
+        fm = FlashModel.from_body(body)
+    except ValidationError as exc:
+        problem = Problem("SpecInvalid", f"the spec cannot be used: {exc.errors()[0]['msg']}")
+
+    args: list[str] | None = None
+    if fm is not None:
+        try:
+            args = engine_args(engine_config(fm))
+        except ValueError as exc:
+            # The schema caught what it could; this is what only the profile logic sees.
+            problem = Problem("EngineConfigRefused", str(exc))
+
+    if fm is None or args is None:
+        assert problem is not None
+        outcome.problem = problem
+        _write_status(cluster, body, new_status, Observation(generation, 0, problem=problem), outcome)
+        return outcome
+
+    template_hash = render_pod_template(fm)["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+    pods = cluster.list("v1", "Pod", ns, selector_string(fm))
+
+    # A refused preflight cannot succeed on retry: hold the Deployment at 0 for this spec and
+    # say why, instead of letting the pod crash-loop. A spec change or the retry annotation
+    # releases the hold.
+    hold = status.get("preflightRefusal") or {}
+    retry = _retry_token(body)
+    held = hold.get("configHash") == template_hash and hold.get("retry", "") == retry
+    refusal = preflight_refusal(pods, template_hash)
+    if refusal is not None and not held:
+        pod_name, message = refusal
+        hold = {"configHash": template_hash, "retry": retry, "pod": pod_name, "message": message}
+        held = True
+        cluster.event(body, "Warning", "PreflightFailed", f"pod {pod_name}: {message}")
+        log.warning("event=preflight-refused model=%s/%s pod=%s message=%r", ns, name, pod_name, message)
+    if held:
+        new_status["preflightRefusal"] = hold
+        problem = Problem("PreflightFailed", f"pod {hold.get('pod')}: {hold.get('message')}; fix the model or "
+                          f"spec, or annotate {RETRY_ANNOTATION}=<new value> to retry")
+    elif status.get("preflightRefusal"):
+        new_status["preflightRefusal"] = None
+
+    if fm.spec.auth is not None and problem is None:
+        ref = fm.spec.auth.api_key_secret_ref
+        secret = cluster.get("v1", "Secret", ns, ref.name)
+        if secret is None or ref.key not in (secret.get("data") or {}):
+            problem = Problem("AuthSecretNotFound", f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
+                              f"{ref.key!r} not found; create it, or remove spec.auth")
+
+    children = render_children(fm, replicas=0 if held else None)
+    for child in children:
+        result = cluster.apply(child)
+        outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
+        if result != "unchanged":
+            cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {child['metadata']['name']}")
+            log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
+    if fm.spec.autoscaling is None and status.get("autoscaling"):
+        if cluster.delete("autoscaling/v2", "HorizontalPodAutoscaler", ns, name):
+            cluster.event(body, "Normal", "Deleted", f"deleted HorizontalPodAutoscaler {name}: spec.autoscaling removed")
+    new_status["autoscaling"] = fm.spec.autoscaling is not None
+
+    deployment = cluster.get("apps/v1", "Deployment", ns, name) or {}
+    dep_status = deployment.get("status") or {}
+    current_pods = [p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash]
+    desired = 0 if held else fm.spec.replicas
+    obs = Observation(
+        generation=generation,
+        desired_replicas=desired,
+        replicas=int(dep_status.get("replicas", 0)),
+        ready_replicas=int(dep_status.get("readyReplicas", 0)),
+        updated_replicas=int(dep_status.get("updatedReplicas", 0)),
+        prewarmed_replicas=sum(1 for p in current_pods if _pod_is_prewarmed(p) and not p["metadata"].get("deletionTimestamp")),
+        deployment_generation_observed=int(dep_status.get("observedGeneration", 0))
+        >= int(deployment.get("metadata", {}).get("generation", 1)),
+        problem=problem,
+    )
+    new_status.update(
+        {
+            "replicas": obs.replicas,
+            "readyReplicas": obs.ready_replicas,
+            "prewarmedReplicas": obs.prewarmed_replicas,
+            "replicasSummary": f"{obs.ready_replicas}/{fm.spec.replicas}",
+            "selector": selector_string(fm),
+            "endpoint": f"http://{name}.{ns}.svc:{ENGINE_PORT}/v1",
+            "engineArgs": args,
+        }
+    )
+    outcome.problem = problem
+    _write_status(cluster, body, new_status, obs, outcome)
+    return outcome
+
+
+def _write_status(cluster: Cluster, body: dict[str, Any], new_status: dict[str, Any], obs: Observation,
+                  outcome: Outcome) -> None:
+    meta = body["metadata"]
+    current: dict[str, Any] = dict(body.get("status") or {})
+    previous_conditions = current.get("conditions") or []
+    conditions = build_conditions(obs, previous_conditions, _now())
+    changed = not same_conditions(conditions, previous_conditions) or any(
+        current.get(k) != v for k, v in new_status.items() if not (v is None and k not in current)
+    )
+    if not changed:
+        return
+    was_degraded = any(c.get("type") == "Degraded" and c.get("status") == "True" for c in previous_conditions)
+    if obs.problem is not None and not was_degraded:
+        cluster.event(body, "Warning", obs.problem.reason, obs.problem.message)
+    cluster.patch_status(meta["namespace"], meta["name"], {**new_status, "conditions": conditions})
+    outcome.status_written = True

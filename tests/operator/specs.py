@@ -1,0 +1,51 @@
+"""FlashModel bodies the operator tests share, as the API server would hand them over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+UID = "6f1c2d3e-0000-4000-8000-000000000001"
+
+
+def body(name: str, spec: dict[str, Any], namespace: str = "serving", generation: int = 1) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": name, "namespace": namespace, "uid": UID, "generation": generation},
+        "spec": spec,
+    }
+
+
+MINIMAL_T4 = body("qwen-small", {"model": {"pvc": {"claimName": "models", "path": "qwen2.5-1.5b"}}})
+
+FULL_T4 = body(
+    "qwen-prod",
+    {
+        "model": {"image": {"reference": "registry.example/models/qwen2.5-7b:1", "path": "/weights"}, "servedName": "qwen"},
+        "accelerator": "t4",
+        "replicas": 2,
+        "engine": {"maxModelLen": 2048, "maxNumSeqs": 128, "maxNumBatchedTokens": 2048, "extraArgs": ["--enable-prefix-caching"]},
+        "prewarm": {"requests": 8, "prompts": ["检查工单：阀门泄漏，请给出处理建议。"]},
+        "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "targetRequestsPerSecond": 8, "targetKVCacheUsage": 0.8},
+        "auth": {"apiKeySecretRef": {"name": "qwen-keys", "key": "api-key"}},
+        "resources": {"requests": {"cpu": "4", "memory": "24Gi"}, "limits": {"memory": "24Gi"}},
+        "nodeSelector": {"cloud.example/pool": "t4-spot"},
+        "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+        "podTemplatePatch": {
+            "metadata": {"annotations": {"prometheus.io/scrape": "true"}},
+            "spec": {"priorityClassName": "inference", "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]}]},
+        },
+    },
+)
+
+CPU_HUB = body(
+    "tiny-cpu",
+    {
+        "model": {"hub": {"id": "/opt/models/tiny-qwen2"}, "servedName": "tiny"},
+        "accelerator": "cpu",
+        "engine": {"blockSize": 32, "dtype": "float32", "maxModelLen": 1024, "maxNumBatchedTokens": 1024, "maxNumSeqs": 16,
+                   "attentionBackend": "auto"},
+    },
+)
+
+ALL = {"minimal-t4": MINIMAL_T4, "full-t4": FULL_T4, "cpu-hub": CPU_HUB}
