@@ -1,0 +1,386 @@
+"""Tile attention: one Triton kernel family for decode and prefill/mixed batches over a paged KV cache.
+
+Layout contract (vLLM's, read through strides so a layout change upstream is a view, not a port):
+
+- ``query``  ``[num_tokens, num_q_heads, head_dim]``, the new tokens of all sequences back to back;
+- ``key_cache`` / ``value_cache`` ``[num_blocks, PAGE_SIZE, num_kv_heads, head_dim]``, any strides;
+- ``block_table`` ``[num_seqs, max_blocks_per_seq]`` int32, page numbers of each sequence in order;
+- ``seq_lens`` ``[num_seqs]`` int32, tokens in the cache per sequence, the new ones included;
+- ``query_start_loc`` ``[num_seqs + 1]`` int32, where each sequence's new tokens start in ``query``.
+
+Each program owns one kv head, ``BLOCK_Q`` query tokens of one sequence and every query head that
+shares that kv head (GQA), so the K/V tile it loads is reused by ``QUERIES_PER_KV`` heads, and one
+contiguous part of the key range (split-KV). The softmax is the exact online softmax: a running
+maximum and sum per row, rescaled whenever a tile raises the maximum, so tile edges change nothing
+but fp32 rounding. Split results are merged by a second kernel from their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from flashmodel_kernels._triton import tl, triton
+
+__all__ = ["LaunchConfig", "paged_attention", "plan_launch"]
+
+PAGE_SIZE = 16
+"""Tokens per KV-cache block: the T4 profile fixes vLLM's ``--block-size 16``."""
+
+MIN_TOKENS_PER_SPLIT = 256
+"""A split shorter than this spends more on its merge than it saves in parallelism."""
+
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], written when NUM_SPLITS == 1
+    part_out_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32, when NUM_SPLITS > 1
+    part_lse_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] fp32 log2-sum-exp2, when NUM_SPLITS > 1
+    q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    num_q_heads,
+    qk_scale_log2,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is one instruction)
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_blk,
+    stride_k_tok,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_blk,
+    stride_v_tok,
+    stride_v_head,
+    stride_v_dim,
+    stride_bt_seq,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    QUERIES_PER_KV_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Sequence s owns tile slots [qsl[s] // BLOCK_Q + s, qsl[s + 1] // BLOCK_Q + s + 1): at least
+    # cdiv(query_len, BLOCK_Q) of them, so the grid is num_tokens // BLOCK_Q + num_seqs without a
+    # host-side pass over the batch. Find the last sequence whose first slot is <= tile_id.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_first_slot = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_first_slot <= tile_id:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_tile = tile_id - (q_begin // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= query_len:
+        return  # a spare slot of this sequence
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    # Row m is query token m // QUERIES_PER_KV_PAD (of this tile) and head m % QUERIES_PER_KV_PAD
+    # of this kv head's group: the heads of one token sit side by side and share every K/V load.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_seq = q_tile * BLOCK_Q + offs_m // QUERIES_PER_KV_PAD
+    head_in_group = offs_m % QUERIES_PER_KV_PAD
+    row_valid = (tok_in_seq < query_len) & (head_in_group < QUERIES_PER_KV)
+    q_head = kv_head * QUERIES_PER_KV + head_in_group
+    q_pos = context_len + tok_in_seq  # position in the sequence: the causal bound of the row
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = offs_d < HEAD_DIM
+
+    q_rows = (q_begin + tok_in_seq) * stride_q_tok + q_head * stride_q_head
+    q = tl.load(
+        q_ptr + q_rows[:, None] + offs_d[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+
+    # Keys this tile can see: up to the last valid query token's position, inclusive.
+    last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
+    kv_end = context_len + last_tok
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_kv_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    block_row = block_table_ptr + seq * stride_bt_seq
+
+    for kv_tile in range(tile_begin, tile_end):
+        key_pos = kv_tile * BLOCK_N + offs_n
+        key_valid = key_pos < kv_end
+        page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = key_pos % PAGE_SIZE
+        # int64: a cache of a few hundred thousand pages is more than 2**31 elements per layer.
+        k_rows = page * stride_k_blk + slot * stride_k_tok + kv_head * stride_k_head
+        v_rows = page * stride_v_blk + slot * stride_v_tok + kv_head * stride_v_head
+        k = tl.load(
+            k_cache_ptr + k_rows[None, :] + offs_d[:, None] * stride_k_dim,
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, BLOCK_N]
+        v = tl.load(
+            v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_v_dim,
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM_PAD]
+
+        s = tl.dot(q, k) * qk_scale_log2  # [BLOCK_M, BLOCK_N] fp32
+        visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps
+        # exp2 at exactly 0 for it rather than NaN from (-inf) - (-inf).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # Rows with no visible key in this split (padding, or a split before a row's causal bound)
+    # have l_i == 0: they write zeros and, for the merge, a log-sum of -inf (weight 0).
+    has_keys = l_i > 0.0
+    out_tile = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    tok_global = q_begin + tok_in_seq
+    if NUM_SPLITS == 1:
+        o_rows = tok_global * stride_o_tok + q_head * stride_o_head
+        tl.store(
+            out_ptr + o_rows[:, None] + offs_d[None, :],
+            out_tile.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        part_row = (tok_global * num_q_heads + q_head) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            out_tile,
+            mask=row_valid[:, None],
+        )
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
+    part_out_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32, each split normalised
+    part_lse_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] fp32, log2 of each split's exp2-sum
+    num_q_heads,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row = (tok * num_q_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    # Every token sees at least itself, so at least one split has a finite log-sum.
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # [NUM_SPLITS_PAD]
+    part = tl.load(
+        part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=(offs_s < NUM_SPLITS)[:, None],
+        other=0.0,
+    )  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
+    merged = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(
+        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one call is tiled; ``plan_launch`` picks it, tests and benchmarks may force it."""
+
+    block_q: int
+    """Query tokens per program; times the padded GQA group it is the tile's M (>= 16 for tl.dot)."""
+    block_n: int
+    """Keys per inner-loop step: a multiple of the 16-token page, so one step reads whole pages."""
+    num_splits: int
+    """Parts the key range is cut into (split-KV); 1 writes the output directly, no merge."""
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a small "GPU", so CI exercises split-KV on small shapes
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def plan_launch(
+    *,
+    num_seqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_dim: int,
+    multiprocessors: int,
+) -> LaunchConfig:
+    """Choose the tiling for one call from host-side sizes only (no device sync, graph-safe).
+
+    Decode (every sequence brings one token) is memory-bound: M is the smallest tile tl.dot takes
+    and the key range is split until there are about two programs per multiprocessor. Prefill
+    is compute-bound: a larger M reuses each K/V tile for more query rows.
+    """
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    decode = max_query_len <= 1
+    block_m = 16 if decode else 64
+    block_q = max(1, block_m // group_pad)
+    # Large head dims double the tile's registers and shared memory; keep the T4 within 64 KB.
+    block_n = 64 if decode and head_dim <= 128 else 32
+    q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
+    programs = q_tiles * num_kv_heads
+    splits = 1
+    target = 2 * multiprocessors
+    if programs < target:
+        by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+        splits = max(1, min(math.ceil(target / programs), by_length, MAX_SPLITS))
+    return LaunchConfig(block_q=block_q, block_n=block_n, num_splits=splits)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, 16, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, 16, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached keys and values.
+
+    The new tokens' keys and values must already be in the cache (vLLM writes them first).
+    ``max_query_len`` and ``max_seq_len`` are host-side bounds used only to pick the tiling.
+    Returns ``out`` (allocated like ``query`` when not given).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, page_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if page_size != PAGE_SIZE:
+        raise ValueError(f"KV cache block size is {page_size}; tile attention reads {PAGE_SIZE}-token blocks")
+    if cache_head_dim != head_dim or head_dim % 16 != 0:
+        raise ValueError(
+            f"head_dim {head_dim} (cache {cache_head_dim}) must match and be a multiple of 16"
+        )
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
+    if query.dtype not in (torch.float16, torch.bfloat16) or key_cache.dtype != query.dtype:
+        raise ValueError(
+            f"query {query.dtype} and cache {key_cache.dtype} must both be float16 or bfloat16"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    if query.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("query and out must be contiguous in their last (head_dim) dimension")
+    if num_tokens == 0:
+        return out
+    num_seqs = seq_lens.shape[0]
+    queries_per_kv = num_q_heads // num_kv_heads
+    if config is None:
+        config = plan_launch(
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_kv_heads=num_kv_heads,
+            queries_per_kv=queries_per_kv,
+            head_dim=head_dim,
+            multiprocessors=_multiprocessors(query.device),
+        )
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    splits = config.num_splits
+    if splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_q_heads, splits, head_dim_pad), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # never touched: the NUM_SPLITS == 1 branch is compiled out
+    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
+    _paged_attention_kernel[grid](
+        out,
+        part_out,
+        part_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        num_q_heads,
+        scale * math.log2(math.e),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        block_table.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=PAGE_SIZE,
+        QUERIES_PER_KV=queries_per_kv,
+        QUERIES_PER_KV_PAD=triton.next_power_of_2(queries_per_kv),
+        BLOCK_Q=config.block_q,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=splits,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=splits,
+            NUM_SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
+    return out
