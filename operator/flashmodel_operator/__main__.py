@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import kopf
-
 
 def main() -> None:
     # kopf's own CLI parses the options (--all-namespaces, --namespace, --peering, --liveness,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import threading
 from typing import Any, Literal
 
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, PLURAL, VERSION
@@ -63,8 +64,16 @@ class Cluster:
         self.writes = 0
         self._lock = threading.Lock()
 
-    def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, Any]] | None = None,
-              content_type: str | None = None, kind: str = "") -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, Any]] | None = None,
+        content_type: str | None = None,
+        kind: str = "",
+    ) -> Any:
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
@@ -72,10 +81,14 @@ class Cluster:
             with self._lock:
                 self.writes += 1
             API_WRITES.labels(verb=method, kind=kind).inc()
-        return self.api.call_api(
-            path, method, query_params=query or [], header_params=headers, body=body,
-            response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
+        method_, url, headers_, body_, _ = self.api.param_serialize(
+            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
         )
+        response = self.api.call_api(method_, url, header_params=headers_, body=body_)
+        data: bytes = response.read()  # type: ignore[no-untyped-call]
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
+        return json.loads(data) if data else None
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -100,10 +113,16 @@ class Cluster:
             applied = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)
             if applied == digest and contains(live, desired):
                 return "unchanged"
-        body = {**desired, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}}}
+        body = {
+            **desired,
+            "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}},
+        }
         path = f"{collection_path(desired['apiVersion'], desired['kind'], meta['namespace'])}/{meta['name']}"
         self._call(
-            "PATCH", path, body=body, kind=desired["kind"],
+            "PATCH",
+            path,
+            body=body,
+            kind=desired["kind"],
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
@@ -156,4 +175,6 @@ class Cluster:
             self._call("POST", collection_path("v1", "Event", meta["namespace"]), body=body, kind="Event")
         except ApiException as exc:
             # An event that cannot be written must not fail the reconcile that caused it.
-            log.warning("event=dropped object=%s/%s reason=%s status=%s", meta["namespace"], meta["name"], reason, exc.status)
+            log.warning(
+                "event=dropped object=%s/%s reason=%s status=%s", meta["namespace"], meta["name"], reason, exc.status
+            )

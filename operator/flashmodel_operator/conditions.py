@@ -41,7 +41,11 @@ def _condition(
     text = "True" if status else "False"
     before = previous.get(kind)
     # lastTransitionTime moves only when the status flips, as the API conventions ask.
-    since = before["lastTransitionTime"] if before and before.get("status") == text and "lastTransitionTime" in before else now
+    since = (
+        before["lastTransitionTime"]
+        if before and before.get("status") == text and "lastTransitionTime" in before
+        else now
+    )
     return {
         "type": kind,
         "status": text,
@@ -73,14 +77,18 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
         msg = f"{obs.ready_replicas}/{want} pods ready, {obs.prewarmed_replicas} prewarmed"
         progressing = _condition(PROGRESSING, True, "WaitingForReadyPods", msg, gen, before, now)
     else:
-        progressing = _condition(PROGRESSING, False, "RolloutComplete", f"{want} pods run the current spec", gen, before, now)
+        progressing = _condition(
+            PROGRESSING, False, "RolloutComplete", f"{want} pods run the current spec", gen, before, now
+        )
 
     if obs.problem is not None:
         ready = _condition(READY, False, obs.problem.reason, obs.problem.message, gen, before, now)
     elif want == 0:
         ready = _condition(READY, False, "ScaledToZero", "spec.replicas is 0", gen, before, now)
     elif obs.ready_replicas >= want and not rolling:
-        ready = _condition(READY, True, "AllReplicasReady", f"{obs.ready_replicas}/{want} pods ready and prewarmed", gen, before, now)
+        ready = _condition(
+            READY, True, "AllReplicasReady", f"{obs.ready_replicas}/{want} pods ready and prewarmed", gen, before, now
+        )
     else:
         msg = f"{obs.ready_replicas}/{want} pods ready"
         ready = _condition(READY, False, "ReplicasNotReady", msg, gen, before, now)
@@ -92,7 +100,8 @@ def same_conditions(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
     def key(conds: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         return sorted(
-            (c.get("type"), c.get("status"), c.get("reason"), c.get("message"), c.get("observedGeneration")) for c in conds
+            (c.get("type"), c.get("status"), c.get("reason"), c.get("message"), c.get("observedGeneration"))
+            for c in conds
         )
 
     return key(a) == key(b)

@@ -27,9 +27,9 @@ def cluster() -> Cluster:
     global _cluster
     if _cluster is None:
         try:
-            k8s_config.load_incluster_config()
+            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config()
+            k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
         configuration = k8s.Configuration.get_default_copy()
         # Sync handlers run in kopf's thread pool; give each worker a pooled connection.
         configuration.connection_pool_maxsize = 32
@@ -48,7 +48,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
 
 
-def _reconcile_latest(namespace: str, name: str) -> None:
+def _reconcile_latest(namespace: str | None, name: str) -> None:
+    if namespace is None:  # FlashModel is namespaced; kopf types allow None for cluster objects
+        return
     # Read the object fresh: the status this pass compares against must be the latest written.
     body = cluster().get_flashmodel(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -56,19 +58,25 @@ def _reconcile_latest(namespace: str, name: str) -> None:
     outcome = reconcile(cluster(), body)
     changed = {k: v for k, v in outcome.applied.items() if v != "unchanged"}
     if changed or outcome.status_written:
-        log.info("event=reconciled model=%s/%s applied=%s status_written=%s problem=%s", namespace, name,
-                 changed, outcome.status_written, outcome.problem.reason if outcome.problem else None)
+        log.info(
+            "event=reconciled model=%s/%s applied=%s status_written=%s problem=%s",
+            namespace,
+            name,
+            changed,
+            outcome.status_written,
+            outcome.problem.reason if outcome.problem else None,
+        )
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def on_flashmodel_change(namespace: str, name: str, **_: Any) -> None:
+def on_flashmodel_change(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync(namespace: str, name: str, **_: Any) -> None:
+def resync(namespace: str | None, name: str, **_: Any) -> None:
     # Catches drift in children and anything a missed watch event would have told us.
     _reconcile_latest(namespace, name)
 
@@ -81,14 +89,14 @@ def _owner_name(body: kopf.Body) -> str | None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_OWNED)
-def on_deployment_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
+def on_deployment_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
     owner = _owner_name(body)
     if owner is not None and type != "DELETED":
         _reconcile_latest(namespace, owner)
 
 
 @kopf.on.event("", "v1", "pods", labels=_OWNED)
-def on_pod_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
+def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
     # Pods belong to ReplicaSets; the model label names the FlashModel directly.
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model:

@@ -63,7 +63,8 @@ def _retry_token(body: dict[str, Any]) -> str:
 
 def _pod_is_prewarmed(pod: dict[str, Any]) -> bool:
     return any(
-        c.get("type") == PREWARM_GATE and c.get("status") == "True" for c in pod.get("status", {}).get("conditions") or []
+        c.get("type") == PREWARM_GATE and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions") or []
     )
 
 
@@ -135,8 +136,11 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         log.warning("event=preflight-refused model=%s/%s pod=%s message=%r", ns, name, pod_name, message)
     if held:
         new_status["preflightRefusal"] = hold
-        problem = Problem("PreflightFailed", f"pod {hold.get('pod')}: {hold.get('message')}; fix the model or "
-                          f"spec, or annotate {RETRY_ANNOTATION}=<new value> to retry")
+        problem = Problem(
+            "PreflightFailed",
+            f"pod {hold.get('pod')}: {hold.get('message')}; fix the model or "
+            f"spec, or annotate {RETRY_ANNOTATION}=<new value> to retry",
+        )
     elif status.get("preflightRefusal"):
         new_status["preflightRefusal"] = None
 
@@ -144,8 +148,11 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         ref = fm.spec.auth.api_key_secret_ref
         secret = cluster.get("v1", "Secret", ns, ref.name)
         if secret is None or ref.key not in (secret.get("data") or {}):
-            problem = Problem("AuthSecretNotFound", f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
-                              f"{ref.key!r} not found; create it, or remove spec.auth")
+            problem = Problem(
+                "AuthSecretNotFound",
+                f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
+                f"{ref.key!r} not found; create it, or remove spec.auth",
+            )
 
     children = render_children(fm, replicas=0 if held else None)
     for child in children:
@@ -154,14 +161,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         if result != "unchanged":
             cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {child['metadata']['name']}")
             log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
-    if fm.spec.autoscaling is None and status.get("autoscaling"):
-        if cluster.delete("autoscaling/v2", "HorizontalPodAutoscaler", ns, name):
-            cluster.event(body, "Normal", "Deleted", f"deleted HorizontalPodAutoscaler {name}: spec.autoscaling removed")
+    removed_hpa = fm.spec.autoscaling is None and status.get("autoscaling")
+    if removed_hpa and cluster.delete("autoscaling/v2", "HorizontalPodAutoscaler", ns, name):
+        cluster.event(body, "Normal", "Deleted", f"deleted HorizontalPodAutoscaler {name}: spec.autoscaling removed")
     new_status["autoscaling"] = fm.spec.autoscaling is not None
 
     deployment = cluster.get("apps/v1", "Deployment", ns, name) or {}
     dep_status = deployment.get("status") or {}
-    current_pods = [p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash]
+    current_pods = [
+        p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash
+    ]
     desired = 0 if held else fm.spec.replicas
     obs = Observation(
         generation=generation,
@@ -169,7 +178,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         replicas=int(dep_status.get("replicas", 0)),
         ready_replicas=int(dep_status.get("readyReplicas", 0)),
         updated_replicas=int(dep_status.get("updatedReplicas", 0)),
-        prewarmed_replicas=sum(1 for p in current_pods if _pod_is_prewarmed(p) and not p["metadata"].get("deletionTimestamp")),
+        prewarmed_replicas=sum(
+            1 for p in current_pods if _pod_is_prewarmed(p) and not p["metadata"].get("deletionTimestamp")
+        ),
         deployment_generation_observed=int(dep_status.get("observedGeneration", 0))
         >= int(deployment.get("metadata", {}).get("generation", 1)),
         problem=problem,
@@ -190,8 +201,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     return outcome
 
 
-def _write_status(cluster: Cluster, body: dict[str, Any], new_status: dict[str, Any], obs: Observation,
-                  outcome: Outcome) -> None:
+def _write_status(
+    cluster: Cluster, body: dict[str, Any], new_status: dict[str, Any], obs: Observation, outcome: Outcome
+) -> None:
     meta = body["metadata"]
     current: dict[str, Any] = dict(body.get("status") or {})
     previous_conditions = current.get("conditions") or []

@@ -177,7 +177,9 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     ]
     if spec.auth is not None:
         ref = spec.auth.api_key_secret_ref
-        volumes.append({"name": "auth", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}})
+        volumes.append(
+            {"name": "auth", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
+        )
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
 
     container: dict[str, Any] = {
@@ -328,8 +330,14 @@ def render_hpa(fm: FlashModel) -> dict[str, Any] | None:
             "metrics": metrics,
             "behavior": {
                 # A GPU pod takes minutes to load and prewarm: add one at a time, remove slowly.
-                "scaleUp": {"stabilizationWindowSeconds": 60, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
-                "scaleDown": {"stabilizationWindowSeconds": 300, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+                "scaleUp": {
+                    "stabilizationWindowSeconds": 60,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+                },
+                "scaleDown": {
+                    "stabilizationWindowSeconds": 300,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
+                },
             },
         },
     }
