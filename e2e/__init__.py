@@ -1,0 +1,1 @@
+"""End-to-end tests and the real test control plane they run on."""
