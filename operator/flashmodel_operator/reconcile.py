@@ -68,11 +68,17 @@ def _pod_is_prewarmed(pod: dict[str, Any]) -> bool:
     )
 
 
-def preflight_refusal(pods: list[dict[str, Any]], config_hash: str) -> tuple[str, str] | None:
-    """(pod, message) of a pod of the current template whose launcher refused to start."""
+def preflight_refusal(
+    pods: list[dict[str, Any]], config_hash: str, ignore: frozenset[str] = frozenset()
+) -> tuple[str, str] | None:
+    """(pod, message) of a live pod of the current template whose launcher refused to start."""
     for pod in pods:
-        annotations = pod.get("metadata", {}).get("annotations") or {}
-        if annotations.get(CONFIG_HASH_ANNOTATION) != config_hash:
+        meta = pod.get("metadata", {})
+        annotations = meta.get("annotations") or {}
+        # A pod on its way out, or one whose refusal the user already chose to retry, says nothing new.
+        if annotations.get(CONFIG_HASH_ANNOTATION) != config_hash or meta.get("deletionTimestamp"):
+            continue
+        if meta.get("name") in ignore:
             continue
         for status in pod.get("status", {}).get("containerStatuses") or []:
             for state in (status.get("state") or {}, status.get("lastState") or {}):
@@ -127,8 +133,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     hold = status.get("preflightRefusal") or {}
     retry = _retry_token(body)
     held = hold.get("configHash") == template_hash and hold.get("retry", "") == retry
-    refusal = preflight_refusal(pods, template_hash)
-    if refusal is not None and not held:
+    retried = frozenset({str(hold["pod"])}) if hold.get("pod") and not held else frozenset()
+    refusal = None if held else preflight_refusal(pods, template_hash, ignore=retried)
+    if refusal is not None:
         pod_name, message = refusal
         hold = {"configHash": template_hash, "retry": retry, "pod": pod_name, "message": message}
         held = True

@@ -89,8 +89,6 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         "remediation": spec.remediation.model_dump(by_alias=True),
         "server": {"host": "0.0.0.0", "enginePort": ENGINE_PORT, "shimPort": SHIM_PORT},
     }
-    if spec.model.hub is not None:
-        config["model"]["revision"] = spec.model.hub.revision
     if spec.auth is not None:
         config["auth"] = {"apiKeyFile": f"{AUTH_DIR}/{spec.auth.api_key_secret_ref.key}"}
     return config

@@ -21,10 +21,18 @@ MINIMAL_T4 = body("qwen-small", {"model": {"pvc": {"claimName": "models", "path"
 FULL_T4 = body(
     "qwen-prod",
     {
-        "model": {"image": {"reference": "registry.example/models/qwen2.5-7b:1", "path": "/weights"}, "servedName": "qwen"},
+        "model": {
+            "image": {"reference": "registry.example/models/qwen2.5-7b:1", "path": "/weights"},
+            "servedName": "qwen",
+        },
         "accelerator": "t4",
         "replicas": 2,
-        "engine": {"maxModelLen": 2048, "maxNumSeqs": 128, "maxNumBatchedTokens": 2048, "extraArgs": ["--enable-prefix-caching"]},
+        "engine": {
+            "maxModelLen": 2048,
+            "maxNumSeqs": 128,
+            "maxNumBatchedTokens": 2048,
+            "extraArgs": ["--enable-prefix-caching"],
+        },
         "prewarm": {"requests": 8, "prompts": ["检查工单：阀门泄漏，请给出处理建议。"]},
         "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "targetRequestsPerSecond": 8, "targetKVCacheUsage": 0.8},
         "auth": {"apiKeySecretRef": {"name": "qwen-keys", "key": "api-key"}},
@@ -33,7 +41,10 @@ FULL_T4 = body(
         "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
         "podTemplatePatch": {
             "metadata": {"annotations": {"prometheus.io/scrape": "true"}},
-            "spec": {"priorityClassName": "inference", "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]}]},
+            "spec": {
+                "priorityClassName": "inference",
+                "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]}],
+            },
         },
     },
 )
@@ -43,8 +54,14 @@ CPU_HUB = body(
     {
         "model": {"hub": {"id": "/opt/models/tiny-qwen2"}, "servedName": "tiny"},
         "accelerator": "cpu",
-        "engine": {"blockSize": 32, "dtype": "float32", "maxModelLen": 1024, "maxNumBatchedTokens": 1024, "maxNumSeqs": 16,
-                   "attentionBackend": "auto"},
+        "engine": {
+            "blockSize": 32,
+            "dtype": "float32",
+            "maxModelLen": 1024,
+            "maxNumBatchedTokens": 1024,
+            "maxNumSeqs": 16,
+            "attentionBackend": "auto",
+        },
     },
 )
 

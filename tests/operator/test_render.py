@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
@@ -17,6 +16,7 @@ from flashmodel_operator.render import (
     merge_patch,
     render_children,
 )
+
 from tests.operator.specs import ALL, CPU_HUB, FULL_T4, MINIMAL_T4
 
 GOLDEN = Path(__file__).parent.parent / "data" / "render"

@@ -1,0 +1,125 @@
+"""Run the operator as a real process against a control plane, with the chart's ServiceAccount identity."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.cluster import ControlPlane
+
+ROOT = Path(__file__).resolve().parents[1]
+RELEASE = "flashmodel"
+SYSTEM_NAMESPACE = "flashmodel-system"
+
+
+def helm_install(cp: ControlPlane, *values: str) -> None:
+    """Install (or upgrade) the chart for real: CRD, RBAC, ServiceAccount, operator Deployment."""
+    args = [
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(ROOT / "charts" / "flashmodel-operator"),
+        "--namespace",
+        SYSTEM_NAMESPACE,
+        "--create-namespace",
+        "--wait=false",
+    ]
+    for value in values:
+        args += ["--set", value]
+    cp.helm(*args)
+    cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io", "--timeout=60s")
+
+
+def service_account_kubeconfig(cp: ControlPlane, path: Path, account: str) -> Path:
+    """A kubeconfig that authenticates as the chart's ServiceAccount: RBAC is then really tested."""
+    token = cp.kubectl("create", "token", account, "-n", SYSTEM_NAMESPACE, "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(cp.kubeconfig.read_text())
+    cluster = admin["clusters"][0]
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": cluster["name"], "user": account}}],
+        "current-context": account,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def chart_service_account(cp: ControlPlane) -> str:
+    names = cp.kubectl(
+        "get",
+        "serviceaccounts",
+        "-n",
+        SYSTEM_NAMESPACE,
+        "-l",
+        f"app.kubernetes.io/instance={RELEASE}",
+        "-o",
+        "jsonpath={.items[*].metadata.name}",
+    ).stdout
+    accounts = names.split()
+    assert len(accounts) == 1, f"the chart should create one ServiceAccount, found {accounts}"
+    return accounts[0]
+
+
+@contextmanager
+def running_operator(
+    kubeconfig: Path, log_path: Path, resync_seconds: float = 5, extra_env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m flashmodel_operator --all-namespaces` as a child process; stopped with SIGTERM at the end."""
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "FLASHMODEL_RESYNC_SECONDS": str(resync_seconds),
+        "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("operator", "engine", "kernels", ".")),
+    }
+    env.update(extra_env or {})
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flashmodel_operator", "--all-namespaces", "--standalone"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def get_json(cp: ControlPlane, *args: str) -> Any:
+    return json.loads(cp.kubectl("get", *args, "-o", "json").stdout)
+
+
+def wait_for(what: str, check: Any, timeout: float = 60, interval: float = 0.25) -> Any:
+    """Poll `check()` until it returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (AssertionError, KeyError, IndexError, ValueError) as exc:  # not there yet
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")

@@ -1,0 +1,226 @@
+"""End to end on the real control plane: helm install, the operator as a process, kubectl as a user."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import ControlPlane
+from e2e.operator_run import (
+    chart_service_account,
+    get_json,
+    helm_install,
+    running_operator,
+    service_account_kubeconfig,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The chart installed for real, and the operator running with exactly the chart's RBAC."""
+    # Nodes without the kwok taint, tainted like GPU pools: only pods that tolerate
+    # nvidia.com/gpu (the t4 profile adds it) land here.
+    control_plane.add_t4_nodes(8, kwok_taint=False, gpu_taint=True)
+    helm_install(control_plane)
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = service_account_kubeconfig(control_plane, work / "kubeconfig", chart_service_account(control_plane))
+    log = work / "operator.log"
+    with running_operator(kubeconfig, log) as proc:
+        yield log
+        assert proc.poll() is None, f"the operator exited: {log.read_text()[-3000:]}"
+    text = log.read_text()
+    assert "Forbidden" not in text and "forbidden" not in text, f"RBAC denied the operator something:\n{text[-3000:]}"
+
+
+def _apply(cp: ControlPlane, namespace: str, doc: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def _status(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    status: dict[str, Any] = get_json(cp, "flashmodel", name, "-n", namespace).get("status") or {}
+    return status
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == kind)
+
+
+def _printer_row(cp: ControlPlane, namespace: str, name: str) -> dict[str, str]:
+    out = cp.kubectl("get", "fm", name, "-n", namespace).stdout.splitlines()
+    header, row = out[0].split(), out[1].split()
+    return dict(zip(header, row, strict=False))
+
+
+def _fm(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def test_chart_installed_what_it_promises(control_plane: ControlPlane, operator: Path) -> None:
+    deployments = get_json(control_plane, "deployments", "-n", "flashmodel-system")["items"]
+    assert len(deployments) == 1
+    rules = [
+        r
+        for role in get_json(control_plane, "clusterroles", "-l", "app.kubernetes.io/instance=flashmodel")["items"]
+        for r in role.get("rules", [])
+    ]
+    assert rules and all("*" not in r.get("verbs", []) and "*" not in r.get("resources", []) for r in rules)
+
+
+def test_examples_reconcile_into_scheduled_t4_pods(
+    control_plane: ControlPlane, operator: Path, k8s_namespace: str
+) -> None:
+    ns = k8s_namespace
+    docs = [d for f in sorted((ROOT / "examples").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    models = [d for d in docs if d["kind"] == "FlashModel"]
+    assert models, "examples/ holds no FlashModel"
+    for doc in docs:
+        if doc["kind"] == "FlashModel" and doc["spec"].get("auth"):
+            ref = doc["spec"]["auth"]["apiKeySecretRef"]
+            control_plane.kubectl(
+                "create",
+                "secret",
+                "generic",
+                ref["name"],
+                "-n",
+                ns,
+                f"--from-literal={ref.get('key', 'api-key')}=test-key",
+            )
+        doc.setdefault("metadata", {}).pop("namespace", None)
+        _apply(control_plane, ns, doc)
+
+    for doc in models:
+        name = doc["metadata"]["name"]
+        dep = wait_for(f"Deployment {name}", lambda n=name: get_json(control_plane, "deployment", n, "-n", ns))
+        for kind, child in (("service", name), ("configmap", f"{name}-engine"), ("poddisruptionbudget", name)):
+            obj = get_json(control_plane, kind, child, "-n", ns)
+            assert obj["metadata"]["ownerReferences"][0]["name"] == name
+        if doc["spec"].get("autoscaling"):
+            hpa = get_json(control_plane, "hpa", name, "-n", ns)
+            assert hpa["spec"]["maxReplicas"] == doc["spec"]["autoscaling"]["maxReplicas"]
+            assert hpa["spec"]["scaleTargetRef"] == {
+                "apiVersion": "serving.flashmodel.io/v1alpha1",
+                "kind": "FlashModel",
+                "name": name,
+            }
+        template = dep["spec"]["template"]["spec"]
+        assert template["readinessGates"] == [{"conditionType": "serving.flashmodel.io/prewarmed"}]
+        config = yaml.safe_load(get_json(control_plane, "configmap", f"{name}-engine", "-n", ns)["data"]["engine.yaml"])
+        assert config["accelerator"] == doc["spec"].get("accelerator", "t4")
+
+    t4_models = [d["metadata"]["name"] for d in models if d["spec"].get("accelerator", "t4") == "t4"]
+    for name in t4_models:
+
+        def scheduled(n: str = name) -> list[str]:
+            pods = get_json(control_plane, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={n}")["items"]
+            nodes = [p["spec"].get("nodeName", "") for p in pods]
+            return nodes if nodes and all(nodes) else []
+
+        nodes = wait_for(f"pods of {name} scheduled", scheduled, timeout=90)
+        for node in nodes:
+            labels = get_json(control_plane, "node", node)["metadata"]["labels"]
+            assert labels["nvidia.com/gpu.product"] == "Tesla-T4"
+
+    for doc in models:
+        name = doc["metadata"]["name"]
+        status = wait_for(
+            f"status of {name}",
+            lambda n=name: _status(control_plane, ns, n).get("engineArgs") and _status(control_plane, ns, n),
+        )
+        assert status["observedGeneration"] == 1
+        row = _printer_row(control_plane, ns, name)
+        assert row["ACCELERATOR"] == doc["spec"].get("accelerator", "t4")
+        assert row["REPLICAS"] == status["replicasSummary"]
+
+
+def test_scale_edit_delete_lifecycle(control_plane: ControlPlane, operator: Path, k8s_namespace: str) -> None:
+    ns, name = k8s_namespace, "lifecycle"
+    _apply(control_plane, ns, _fm(name, {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 1}))
+    wait_for("Deployment", lambda: get_json(control_plane, "deployment", name, "-n", ns))
+
+    # kubectl scale goes through the scale subresource, which the HPA uses too.
+    control_plane.kubectl("scale", "fm", name, "-n", ns, "--replicas=3")
+    wait_for("Deployment at 3", lambda: get_json(control_plane, "deployment", name, "-n", ns)["spec"]["replicas"] == 3)
+    wait_for(
+        "3 pods scheduled",
+        lambda: (
+            len(
+                [
+                    p
+                    for p in get_json(control_plane, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={name}")[
+                        "items"
+                    ]
+                    if p["spec"].get("nodeName")
+                ]
+            )
+            == 3
+        ),
+        timeout=90,
+    )
+    scale = json.loads(
+        control_plane.kubectl(
+            "get", "--raw", f"/apis/serving.flashmodel.io/v1alpha1/namespaces/{ns}/flashmodels/{name}/scale"
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 3
+    wait_for("status.replicas 3", lambda: _status(control_plane, ns, name).get("replicas") == 3)
+    assert _printer_row(control_plane, ns, name)["REPLICAS"].endswith("/3")
+    # No pod is prewarmed yet (the gate is the operator's to flip), so Ready says so.
+    ready = _condition(_status(control_plane, ns, name), "Ready")
+    assert ready["status"] == "False"
+
+    # Editing the engine settings rolls the Deployment: a new pod template, a new ReplicaSet.
+    before = get_json(control_plane, "deployment", name, "-n", ns)["spec"]["template"]["metadata"]["annotations"]
+    control_plane.kubectl(
+        "patch",
+        "fm",
+        name,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"maxModelLen": 2048, "maxNumBatchedTokens": 2048}}}),
+    )
+
+    def rolled() -> bool:
+        after = get_json(control_plane, "deployment", name, "-n", ns)["spec"]["template"]["metadata"]["annotations"]
+        return bool(after["serving.flashmodel.io/config-hash"] != before["serving.flashmodel.io/config-hash"])
+
+    wait_for("pod template changed", rolled)
+    wait_for(
+        "two ReplicaSets",
+        lambda: (
+            len(get_json(control_plane, "replicasets", "-n", ns, "-l", f"app.kubernetes.io/instance={name}")["items"])
+            == 2
+        ),
+    )
+    status = wait_for(
+        "observedGeneration 3", lambda: (s := _status(control_plane, ns, name)).get("observedGeneration") == 3 and s
+    )
+    assert "2048" in status["engineArgs"]
+    assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+    events = get_json(control_plane, "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+    assert any(e["reason"] == "Applied" and "Deployment" in e["message"] for e in events)
+
+    # Deleting the FlashModel leaves the rest to the garbage collector.
+    control_plane.kubectl("delete", "fm", name, "-n", ns)
+    for kind in ("deployment", "service", "configmap", "poddisruptionbudget"):
+        wait_for(
+            f"{kind} gone",
+            lambda k=kind: (
+                not get_json(control_plane, k, "-n", ns, "-l", f"app.kubernetes.io/instance={name}")["items"]
+            ),
+            timeout=60,
+        )

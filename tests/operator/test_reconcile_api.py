@@ -1,0 +1,216 @@
+"""reconcile() against the real API server: children, owner references, status, and zero writes when nothing changed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from flashmodel_operator.apply import Cluster
+from flashmodel_operator.reconcile import reconcile
+
+from e2e.cluster import ControlPlane
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def crd(control_plane: ControlPlane) -> None:
+    control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
+    control_plane.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+
+
+@pytest.fixture
+def cluster(control_plane: ControlPlane, crd: None) -> Iterator[Cluster]:
+    api = control_plane.api_client()
+    yield Cluster(api)
+    api.close()
+
+
+def _create(cp: ControlPlane, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    doc = {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    return _get(cp, namespace, name)
+
+
+def _get(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    out = cp.kubectl("get", "flashmodel", name, "-n", namespace, "-o", "json").stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+SPEC = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 2}
+
+
+def test_first_pass_creates_children_second_pass_writes_nothing(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    body = _create(control_plane, k8s_namespace, "qwen", SPEC)
+    first = reconcile(cluster, body)
+    assert set(first.applied.values()) == {"created"}
+    assert sorted(first.applied) == [
+        "ConfigMap/qwen-engine",
+        "Deployment/qwen",
+        "PodDisruptionBudget/qwen",
+        "Service/qwen",
+    ]
+    assert first.status_written
+
+    for kind in ("deployment", "service", "configmap", "poddisruptionbudget"):
+        name = "qwen-engine" if kind == "configmap" else "qwen"
+        child = json.loads(control_plane.kubectl("get", kind, name, "-n", k8s_namespace, "-o", "json").stdout)
+        owners = child["metadata"]["ownerReferences"]
+        assert owners[0]["uid"] == body["metadata"]["uid"] and owners[0]["controller"] is True
+        fields = {m["manager"] for m in child["metadata"]["managedFields"]}
+        assert "flashmodel-operator" in fields
+
+    # The API server has now defaulted and stored everything: a pass over unchanged input is free.
+    settled = _get(control_plane, k8s_namespace, "qwen")
+    reconcile(cluster, settled)  # may record the Deployment controller's first status
+    writes_before = cluster.writes
+    again = reconcile(cluster, _get(control_plane, k8s_namespace, "qwen"))
+    assert set(again.applied.values()) == {"unchanged"}
+    assert cluster.writes == writes_before, "a no-op reconcile must send no write to the API server"
+
+    status = _get(control_plane, k8s_namespace, "qwen")["status"]
+    assert status["observedGeneration"] == 1
+    assert status["engineArgs"][status["engineArgs"].index("--block-size") + 1] == "16"
+    assert status["selector"] == "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=flashmodel-engine"
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert all(c["observedGeneration"] == 1 for c in status["conditions"])
+
+
+def test_spec_change_updates_only_what_changed(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    body = _create(control_plane, k8s_namespace, "edit", SPEC)
+    reconcile(cluster, body)
+    edited = copy.deepcopy(SPEC)
+    edited["engine"] = {"maxModelLen": 2048, "maxNumBatchedTokens": 2048}
+    body = _create(control_plane, k8s_namespace, "edit", edited)
+    assert body["metadata"]["generation"] == 2
+    outcome = reconcile(cluster, body)
+    assert outcome.applied["ConfigMap/edit-engine"] == "updated"
+    assert outcome.applied["Deployment/edit"] == "updated"
+    assert outcome.applied["Service/edit"] == "unchanged"
+    config = control_plane.kubectl(
+        "get", "configmap", "edit-engine", "-n", k8s_namespace, "-o", "jsonpath={.data.engine\\.yaml}"
+    ).stdout
+    assert yaml.safe_load(config)["engine"]["maxModelLen"] == 2048
+
+
+def test_drift_in_a_child_is_corrected(control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster) -> None:
+    body = _create(control_plane, k8s_namespace, "drift", SPEC)
+    reconcile(cluster, body)
+    control_plane.kubectl("scale", "deployment", "drift", "-n", k8s_namespace, "--replicas=5")
+    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "drift"))
+    assert outcome.applied["Deployment/drift"] == "updated"
+    replicas = control_plane.kubectl(
+        "get", "deployment", "drift", "-n", k8s_namespace, "-o", "jsonpath={.spec.replicas}"
+    ).stdout
+    assert replicas == "2"
+
+
+def test_missing_auth_secret_is_degraded_with_what_to_do(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    spec = {**SPEC, "auth": {"apiKeySecretRef": {"name": "keys"}}}
+    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "auth", spec))
+    assert outcome.problem is not None and outcome.problem.reason == "AuthSecretNotFound"
+    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "auth")["status"]["conditions"]}["Degraded"]
+    assert degraded["status"] == "True"
+    assert f"Secret {k8s_namespace}/keys" in degraded["message"] and "create it" in degraded["message"]
+    events = control_plane.kubectl(
+        "get",
+        "events",
+        "-n",
+        k8s_namespace,
+        "--field-selector",
+        "involvedObject.name=auth,reason=AuthSecretNotFound",
+        "-o",
+        "name",
+    ).stdout
+    assert events.strip(), "a Degraded transition must be recorded as an event"
+
+    control_plane.kubectl("create", "secret", "generic", "keys", "-n", k8s_namespace, "--from-literal=api-key=s3cret")
+    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "auth"))
+    assert outcome.problem is None
+
+
+def test_preflight_refusal_holds_at_zero_instead_of_crash_looping(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    # kwok leaves the status of pods carrying this annotation to the test, which plays the
+    # kubelet reporting the launcher's exit code and termination message.
+    spec = {
+        **SPEC,
+        "replicas": 1,
+        "podTemplatePatch": {"metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}}},
+    }
+    reconcile(cluster, _create(control_plane, k8s_namespace, "refused", spec))
+    pod = _wait_for_pod(control_plane, k8s_namespace, "refused")
+    message = "preflight: head size 40 is not a multiple of 16 on t4; pick a model whose head size is"
+    status = {
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "image": "engine",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 1,
+                    "started": False,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 78, "reason": "Error", "message": message}},
+                }
+            ],
+        }
+    }
+    control_plane.kubectl(
+        "patch", "pod", pod, "-n", k8s_namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
+    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "refused"))
+    assert outcome.problem is not None and outcome.problem.reason == "PreflightFailed"
+    assert message in outcome.problem.message
+    replicas = control_plane.kubectl(
+        "get", "deployment", "refused", "-n", k8s_namespace, "-o", "jsonpath={.spec.replicas}"
+    ).stdout
+    assert replicas == "0"
+    # Held across passes (the pod is gone now) until the spec or the retry annotation changes.
+    assert reconcile(cluster, _get(control_plane, k8s_namespace, "refused")).problem is not None
+    control_plane.kubectl("annotate", "flashmodel", "refused", "-n", k8s_namespace, "serving.flashmodel.io/retry=1")
+    assert reconcile(cluster, _get(control_plane, k8s_namespace, "refused")).problem is None
+    replicas = control_plane.kubectl(
+        "get", "deployment", "refused", "-n", k8s_namespace, "-o", "jsonpath={.spec.replicas}"
+    ).stdout
+    assert replicas == "1"
+
+
+def _wait_for_pod(cp: ControlPlane, namespace: str, model: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = cp.kubectl(
+            "get",
+            "pods",
+            "-n",
+            namespace,
+            "-l",
+            f"serving.flashmodel.io/model={model}",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ).stdout.split()
+        if names:
+            return names[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no pod of {namespace}/{model} appeared within {timeout}s")
