@@ -1,0 +1,412 @@
+"""The operator chart: helm lint/template, rendered RBAC and Deployment, the strict values schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "flashmodel-operator"
+KUBE_VERSION = "1.34.3"
+
+
+def _find_helm() -> str | None:
+    """The control-plane build's helm (FLASHMODEL_TESTBIN, then the cache), else one on PATH."""
+    override = os.environ.get("FLASHMODEL_TESTBIN")
+    if override and os.access(Path(override) / "helm", os.X_OK):
+        return str(Path(override) / "helm")
+    cache = Path(os.environ.get("FLASHMODEL_CACHE", "~/.cache/flashmodel")).expanduser()
+    for candidate in sorted(cache.glob("testbin/*/helm"), reverse=True):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("helm")
+
+
+HELM = _find_helm()
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary: build the testbin (scripts/testbin.sh)")
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    # Keep helm's cache and config out of the user's home.
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": "/tmp/flashmodel-helm/cache",
+        "HELM_CONFIG_HOME": "/tmp/flashmodel-helm/cfg",
+    }
+    proc = subprocess.run([HELM, *args], capture_output=True, text=True, env=env, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed rc={proc.returncode}\n{proc.stderr}")
+    return proc
+
+
+def render(*sets: str, namespace: str = "flashmodel-system") -> list[dict[str, Any]]:
+    args = ["template", "fm", str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs, over every rule of a (Cluster)Role."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["operator"]
+    c: dict[str, Any] = pod["containers"][0]
+    return c
+
+
+CHILD_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+# What the operator (operator/flashmodel_operator) and kopf call, per namespace.
+NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
+    ("serving.flashmodel.io", "flashmodels"): {"get", "list", "watch", "patch", "update"},
+    ("serving.flashmodel.io", "flashmodels/status"): {"get", "list", "watch", "patch", "update"},
+    ("", "configmaps"): CHILD_VERBS,
+    ("", "services"): CHILD_VERBS,
+    ("apps", "deployments"): CHILD_VERBS,
+    ("policy", "poddisruptionbudgets"): CHILD_VERBS,
+    ("autoscaling", "horizontalpodautoscalers"): CHILD_VERBS,
+    ("", "pods"): {"get", "list", "watch", "patch"},
+    ("", "pods/status"): {"patch"},
+    ("", "pods/eviction"): {"create"},
+    ("", "secrets"): {"get"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+CRD_GRANT = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+
+
+# --- files, no helm needed ----------------------------------------------------------------
+
+
+def test_chart_crd_is_byte_identical_to_the_source_crd() -> None:
+    source = (ROOT / "crds" / "flashmodel.yaml").read_bytes()
+    copy = (CHART / "crds" / "flashmodel.yaml").read_bytes()
+    assert copy == source, "charts/flashmodel-operator/crds/flashmodel.yaml differs: cp crds/flashmodel.yaml there"
+
+
+def _schema() -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+    return schema
+
+
+def _values() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+    return values
+
+
+def test_values_yaml_satisfies_the_strict_schema() -> None:
+    jsonschema.Draft7Validator(_schema()).validate(_values())
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda v: v.update(replicas=2), id="unknown-top-level-key"),
+        pytest.param(lambda v: v["image"].update(tags="x"), id="unknown-nested-key"),
+        pytest.param(lambda v: v["rbac"].update(scope="everything"), id="bad-enum"),
+        pytest.param(lambda v: v.update(replicaCount=0), id="below-minimum"),
+    ],
+)
+def test_values_schema_rejects_bad_values(mutate: Any) -> None:
+    values = _values()
+    mutate(values)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+def _closed_objects(node: dict[str, Any], path: str = "") -> Iterator[str]:
+    """Paths of objects that declare properties but still accept unknown keys."""
+    if "properties" in node:
+        if node.get("additionalProperties") is not False:
+            yield path or "<root>"
+        for key, child in node["properties"].items():
+            yield from _closed_objects(child, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _closed_objects(node["items"], f"{path}[]")
+
+
+def test_values_schema_closes_every_declared_object() -> None:
+    assert list(_closed_objects(_schema())) == []
+
+
+def _leaf_paths(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    """Dotted paths of the values the schema declares as leaves (free-form objects count as leaves)."""
+    for key, value in values.items():
+        node = schema["properties"][key]
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and "properties" in node:
+            yield from _leaf_paths(value, node, path + ".")
+        else:
+            yield path
+
+
+def _documented_paths(text: str) -> set[str]:
+    """Dotted paths of the keys in values.yaml whose line above is a comment."""
+    documented: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    previous = ""
+    for line in text.splitlines():
+        match = re.match(r"^( *)([A-Za-z][A-Za-z0-9]*):", line)
+        if match:
+            indent, key = len(match.group(1)), match.group(2)
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = ".".join([k for _, k in stack] + [key])
+            if previous.lstrip().startswith("#"):
+                documented.add(path)
+            stack.append((indent, key))
+        if line.strip():
+            previous = line
+    return documented
+
+
+def test_every_value_is_documented_on_the_line_above() -> None:
+    leaves = set(_leaf_paths(_values(), _schema()))
+    undocumented = leaves - _documented_paths((CHART / "values.yaml").read_text())
+    assert not undocumented, f"values without a comment on the line above: {sorted(undocumented)}"
+
+
+def test_every_value_in_the_schema_is_in_values_yaml() -> None:
+    # A schema key missing from values.yaml is a value nobody can discover.
+    declared = set(_schema()["properties"]) - {"global"}
+    assert declared == set(_values())
+
+
+# --- helm -------------------------------------------------------------------------------
+
+
+@needs_helm
+def test_helm_lint_strict_passes() -> None:
+    out = helm("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION).stdout
+    assert "0 chart(s) failed" in out
+
+
+@needs_helm
+def test_helm_rejects_an_unknown_value() -> None:
+    proc = helm("template", "fm", str(CHART), "--kube-version", KUBE_VERSION, "--set", "replicas=2", check=False)
+    assert proc.returncode != 0
+    assert "additional properties 'replicas' not allowed" in proc.stderr
+
+
+@needs_helm
+def test_default_render_objects() -> None:
+    docs = render()
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+    assert kinds == [
+        "ClusterRole/fm-flashmodel-operator",
+        "ClusterRole/fm-flashmodel-operator-edit",
+        "ClusterRole/fm-flashmodel-operator-view",
+        "ClusterRoleBinding/fm-flashmodel-operator",
+        "Deployment/fm-flashmodel-operator",
+        "ServiceAccount/fm-flashmodel-operator",
+    ]
+    for d in docs:
+        if d["kind"] in ("ServiceAccount", "Deployment"):
+            assert d["metadata"]["namespace"] == "flashmodel-system"
+
+
+@needs_helm
+def test_include_crds_renders_the_flashmodel_crd_and_kopf_peering_crds() -> None:
+    out = helm("template", "fm", str(CHART), "--kube-version", KUBE_VERSION, "--include-crds").stdout
+    crds = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"}
+    assert set(crds) == {"flashmodels.serving.flashmodel.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    assert crds["flashmodels.serving.flashmodel.io"] == yaml.safe_load((ROOT / "crds" / "flashmodel.yaml").read_text())
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    "sets",
+    [(), ("replicaCount=2",), ("watchNamespaces={a,b}", "rbac.scope=namespaced", "replicaCount=3")],
+    ids=["default", "peered", "namespaced-peered"],
+)
+def test_rbac_has_no_wildcards(sets: tuple[str, ...]) -> None:
+    for role in by_kind(render(*sets), "ClusterRole") + by_kind(render(*sets), "Role"):
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], f"{role['metadata']['name']}: {rule}"
+
+
+@needs_helm
+def test_cluster_scope_grants_exactly_what_the_operator_uses() -> None:
+    docs = render()
+    role = one(docs, "ClusterRole", "fm-flashmodel-operator")
+    assert grants(role) == {**CRD_GRANT, **NAMESPACED_GRANTS}
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "fm-flashmodel-operator", "namespace": "flashmodel-system"}
+    ]
+
+
+@needs_helm
+def test_peered_cluster_scope_adds_cluster_peering() -> None:
+    role = one(render("replicaCount=2"), "ClusterRole", "fm-flashmodel-operator")
+    expected = {
+        **CRD_GRANT,
+        **NAMESPACED_GRANTS,
+        ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
+    }
+    assert grants(role) == expected
+
+
+@needs_helm
+def test_namespaced_scope_puts_the_rules_in_a_role_per_watched_namespace() -> None:
+    docs = render("watchNamespaces={team-a,team-b}", "rbac.scope=namespaced", "replicaCount=2")
+    cluster_role = one(docs, "ClusterRole", "fm-flashmodel-operator")
+    assert grants(cluster_role) == {**CRD_GRANT, ("", "namespaces"): {"list", "watch"}}
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert grants(role) == {**NAMESPACED_GRANTS, ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
+    bindings = by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["subjects"][0]["namespace"] == "flashmodel-system"
+    peerings = by_kind(docs, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert not by_kind(docs, "ClusterKopfPeering")
+
+
+@needs_helm
+def test_namespaced_scope_without_namespaces_fails_with_a_reason() -> None:
+    proc = helm(
+        "template", "fm", str(CHART), "--kube-version", KUBE_VERSION, "--set", "rbac.scope=namespaced", check=False
+    )
+    assert proc.returncode != 0
+    assert "rbac.scope=namespaced needs watchNamespaces" in proc.stderr
+
+
+@needs_helm
+def test_selector_labels_are_free_of_versions_and_match_the_pod() -> None:
+    docs = render()
+    deployment = one(docs, "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector == {"app.kubernetes.io/name": "flashmodel-operator", "app.kubernetes.io/instance": "fm"}
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    for d in docs:
+        labels = d["metadata"]["labels"]
+        assert labels["helm.sh/chart"] == "flashmodel-operator-0.1.0"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["app.kubernetes.io/version"] == "0.1.0"
+
+
+@needs_helm
+def test_one_replica_runs_standalone_cluster_wide_with_recreate() -> None:
+    docs = render()
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    c = container(docs)
+    assert c["command"] == ["python", "-m", "flashmodel_operator"]
+    assert c["args"] == [
+        "--all-namespaces",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--standalone",
+        "--log-format=full",
+    ]
+    assert c["image"] == "ghcr.io/flashmodel/operator:0.1.0"
+    assert not by_kind(docs, "ClusterKopfPeering")
+
+
+@needs_helm
+def test_more_replicas_peer_with_distinct_priorities() -> None:
+    docs = render("replicaCount=2")
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
+    c = container(docs)
+    assert c["command"][:2] == ["/bin/sh", "-c"]
+    assert "exec python -m flashmodel_operator --priority=" in c["command"][2]
+    assert "--peering=fm-flashmodel-operator" in c["args"]
+    assert "--standalone" not in c["args"]
+    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "fm-flashmodel-operator"
+
+
+@needs_helm
+def test_watch_namespaces_become_kopf_namespace_flags() -> None:
+    c = container(render("watchNamespaces={team-a,team-b}"))
+    assert "--all-namespaces" not in c["args"]
+    assert [a for a in c["args"] if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
+
+
+@needs_helm
+def test_probes_security_and_resources() -> None:
+    docs = render()
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(docs)
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert {"name": "healthz", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["resources"]["limits"]["memory"] == "256Mi"
+    assert pod["serviceAccountName"] == "fm-flashmodel-operator"
+
+
+@needs_helm
+def test_service_monitor_is_off_by_default_and_needs_metrics() -> None:
+    assert not by_kind(render(), "ServiceMonitor")
+    assert not by_kind(render(), "Service")
+    docs = render(
+        "metrics.enabled=true", "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"
+    )
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
+    service = one(docs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    c = container(docs)
+    assert {"name": "FLASHMODEL_METRICS_PORT", "value": "9090"} in c["env"]
+    proc = helm(
+        "template",
+        "fm",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        check=False,
+    )
+    assert proc.returncode != 0 and "needs metrics.enabled" in proc.stderr
+
+
+@needs_helm
+def test_rbac_create_false_renders_no_roles() -> None:
+    docs = render("rbac.create=false")
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
