@@ -137,6 +137,38 @@ class Cluster:
             raise
         return True
 
+    def set_pod_condition(self, namespace: str, name: str, kind: str, value: bool, reason: str, message: str) -> None:
+        """Set one pod condition (the readiness gate); a strategic merge keeps the kubelet's conditions."""
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = {
+            "type": kind,
+            "status": "True" if value else "False",
+            "reason": reason,
+            "message": message[:1024],
+            "lastTransitionTime": now,
+            "lastProbeTime": None,
+        }
+        self._call(
+            "PATCH",
+            f"{collection_path('v1', 'Pod', namespace)}/{name}/status",
+            body={"status": {"conditions": [condition]}},
+            kind="Pod",
+            content_type="application/strategic-merge-patch+json",
+        )
+
+    def evict(self, namespace: str, name: str) -> Literal["evicted", "blocked", "gone"]:
+        """Evict through the Eviction API, so PodDisruptionBudgets hold; 'blocked' when a budget says no."""
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
+        try:
+            self._call("POST", f"{collection_path('v1', 'Pod', namespace)}/{name}/eviction", body=body, kind="Eviction")
+        except ApiException as exc:
+            if exc.status == 404:
+                return "gone"
+            if exc.status == 429:
+                return "blocked"
+            raise
+        return "evicted"
+
     def get_flashmodel(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get(f"{GROUP}/{VERSION}", KIND, namespace, name)
 

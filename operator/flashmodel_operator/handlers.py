@@ -6,12 +6,15 @@ import logging
 import os
 from typing import Any
 
+import aiohttp
 import kopf
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from prometheus_client import start_http_server
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
 from flashmodel_operator.apply import Cluster
+from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.reconcile import reconcile
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    port = int(os.environ.get("FLASHMODEL_METRICS_PORT", "8090"))
+    if port:
+        start_http_server(port)  # flashmodel_operator_* for Prometheus
 
 
 def _reconcile_latest(namespace: str | None, name: str) -> None:
@@ -101,3 +107,15 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model:
         _reconcile_latest(namespace, model)
+
+
+@kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5)
+async def engine_pod(
+    namespace: str | None, name: str, labels: kopf.Labels, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """Prewarm the pod, flip its readiness gate, then watch it until it goes away."""
+    model = model_of(dict(labels))
+    if namespace is None or model is None:
+        return
+    async with aiohttp.ClientSession() as session:
+        await PodWatch(cluster(), session, namespace, name, model).run(stopped)

@@ -1,0 +1,100 @@
+"""The operator's client of an engine pod's health shim: startup, readiness, prewarm, metrics."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from flashmodel_operator.render import SHIM_PORT
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """The few series of the shim's /metrics the operator decides on."""
+
+    generation: float
+    divergence_ratio: float
+    divergence_recommended: bool
+    requests_running: float
+    requests_waiting: float
+    prewarm_succeeded: bool
+
+
+def parse_metrics(text: str) -> EngineMetrics:
+    values: dict[str, float] = {}
+    recommended = False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "flashmodel_remediation_recommended" and sample.value >= 1:
+                recommended = recommended or sample.labels.get("reason", "memory_divergence") == "memory_divergence"
+            elif sample.name.startswith("vllm:num_requests_"):
+                # One series per model name; a pod serves one model, summing is safe.
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            else:
+                values.setdefault(sample.name, sample.value)
+    return EngineMetrics(
+        generation=values.get("flashmodel_engine_generation", 0.0),
+        divergence_ratio=values.get("flashmodel_memory_divergence_ratio", 0.0),
+        divergence_recommended=recommended,
+        requests_running=values.get("vllm:num_requests_running", 0.0),
+        requests_waiting=values.get("vllm:num_requests_waiting", 0.0),
+        prewarm_succeeded=values.get("flashmodel_prewarm_succeeded", 0.0) >= 1,
+    )
+
+
+class ShimClient:
+    """HTTP calls to one pod's shim at http://<pod IP>:8081."""
+
+    def __init__(self, session: aiohttp.ClientSession, pod_ip: str, port: int = SHIM_PORT) -> None:
+        self.session = session
+        self.base = f"http://{pod_ip}:{port}"
+
+    async def _status(self, path: str, timeout: float) -> int:
+        try:
+            async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            return 0
+
+    async def started(self) -> bool:
+        return await self._status("/startupz", 5) == 200
+
+    async def live(self) -> bool:
+        return await self._status("/livez", 5) == 200
+
+    async def ready(self, timeout: float) -> bool:
+        return await self._status("/readyz", timeout) == 200
+
+    async def prewarm(self, requests: int, prompts: list[str], timeout: float) -> dict[str, Any]:
+        """POST /prewarm; a transport failure is reported like a failed prewarm, never raised."""
+        body: dict[str, Any] = {"requests": requests}
+        if prompts:
+            body["prompts"] = prompts
+        try:
+            async with self.session.post(
+                self.base + "/prewarm", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return {"ok": False, "error": f"prewarm request failed: {type(exc).__name__}: {exc}"}
+        try:
+            result: dict[str, Any] = json.loads(text)
+        except ValueError:
+            return {"ok": False, "error": f"prewarm answered HTTP {resp.status} with non-JSON: {text[:200]}"}
+        if resp.status != 200:
+            result.setdefault("ok", False)
+        return result
+
+    async def metrics(self) -> EngineMetrics | None:
+        try:
+            async with self.session.get(self.base + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    return None
+                return parse_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
