@@ -124,9 +124,7 @@ def prompt_lengths(count: int, mean: int, spread: int, seed: int) -> list[int]:
     Uniform draws, then nudged one token at a time (random elements, within the bounds) until
     the total is count * mean: the workload promises the field reports' average, not roughly it."""
     if count <= 0 or spread < 0 or mean - spread < 1:
-        raise ValueError(
-            f"need count > 0 and 1 <= mean - spread, got count={count} mean={mean} spread={spread}"
-        )
+        raise ValueError(f"need count > 0 and 1 <= mean - spread, got count={count} mean={mean} spread={spread}")
     rng = random.Random(seed)
     lo, hi = mean - spread, mean + spread
     lengths = [rng.randint(lo, hi) for _ in range(count)]
@@ -190,9 +188,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
         "achieved_rps": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
         "output_tokens_per_s": round(out_tokens / wall_s, 1) if wall_s > 0 else None,
         "mean_output_tokens": round(out_tokens / len(ok), 2) if ok else None,
-        "mean_prompt_tokens": round(sum(r.prompt_tokens for r in results) / len(results), 2)
-        if results
-        else None,
+        "mean_prompt_tokens": round(sum(r.prompt_tokens for r in results) / len(results), 2) if results else None,
         "send_lag_p99_ms": _ms(percentile(lag, 99)),
     }
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
@@ -270,6 +266,7 @@ class Workload:
     cache_salt: bool = True
     calibrated: bool = False
     shared_prefix_tokens: int = 0
+    json_via: Literal["structured_outputs", "response_format"] = "structured_outputs"
 
     def describe(self) -> dict[str, Any]:
         lengths = [p.tokens for p in self.prompts]
@@ -287,6 +284,7 @@ class Workload:
             "cache_salt": self.cache_salt,
             "calibrated_with_server_tokenizer": self.calibrated,
             "shared_prefix_tokens": self.shared_prefix_tokens,
+            "json_via": self.json_via if self.variant == "json" else None,
         }
 
 
@@ -306,18 +304,14 @@ class ServerTokenizer:
         self._target = target
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self._session.post(
-            self._target.base_url + path, json=body, headers=self._target.headers()
-        ) as resp:
+        async with self._session.post(self._target.base_url + path, json=body, headers=self._target.headers()) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"{path} answered {resp.status}: {(await resp.text())[:200]}")
             data: dict[str, Any] = await resp.json()
             return data
 
     async def encode(self, text: str) -> list[int]:
-        data = await self._post(
-            "/tokenize", {"model": self._target.model, "prompt": text, "add_special_tokens": False}
-        )
+        data = await self._post("/tokenize", {"model": self._target.model, "prompt": text, "add_special_tokens": False})
         return [int(t) for t in data["tokens"]]
 
     async def decode(self, ids: Sequence[int]) -> str:
@@ -370,9 +364,7 @@ async def build_workload(
             body = _words(rng, max(1, n - prefix_tokens))
             text = f"{prefix} {body}" if prefix else body
             prompts.append(Prompt(text, None, len(text.split())))
-        return Workload(
-            prompts, variant=variant, calibrated=False, shared_prefix_tokens=prefix_tokens, **settings
-        )
+        return Workload(prompts, variant=variant, calibrated=False, shared_prefix_tokens=prefix_tokens, **settings)
     if prefix:
         prefix_tokens = len(await tok.encode(prefix))
         if prefix_tokens >= mean_tokens - spread:
@@ -401,9 +393,7 @@ async def build_workload(
 # ---------------------------------------------------------------------------------------------
 
 
-def request_body(
-    target: Target, workload: Workload, prompt: Prompt, salt: str | None
-) -> tuple[str, dict[str, Any]]:
+def request_body(target: Target, workload: Workload, prompt: Prompt, salt: str | None) -> tuple[str, dict[str, Any]]:
     """The path and JSON body of one streaming request."""
     body: dict[str, Any] = {
         "model": target.model,
@@ -421,18 +411,21 @@ def request_body(
     if workload.api == "chat":
         path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": prompt.text}]
-        if workload.variant == "json":
-            body["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA},
-            }
     else:
         path = "/v1/completions"
         use_ids = workload.prompt_format == "ids" and prompt.token_ids is not None
         body["prompt"] = list(prompt.token_ids) if use_ids and prompt.token_ids else prompt.text
-        if workload.variant == "json":
-            body["structured_outputs"] = {"json": TICKET_SCHEMA}
     if workload.variant == "json":
+        if workload.json_via == "response_format":
+            # The OpenAI form, for servers other than vLLM.
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA},
+            }
+        else:
+            # vLLM's own form (0.12+; `guided_json` is gone). Compact JSON: with any whitespace
+            # allowed, a greedy model can pad between tokens until max_tokens cuts the object off.
+            body["structured_outputs"] = {"json": TICKET_SCHEMA, "disable_any_whitespace": True}
         # A grammar must be allowed to close the object: forcing past EOS would make the output
         # invalid by construction, so the JSON variant stops where the schema does.
         body.pop("ignore_eos", None)
@@ -785,9 +778,7 @@ def table_row(label: str, mode: str, level: float | int, s: dict[str, Any]) -> s
         f(s["e2e_p50_ms"]),
         f(s["e2e_p99_ms"]),
     ]
-    return "  ".join(
-        c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True))
-    )
+    return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True)))
 
 
 def table_header() -> str:
@@ -843,6 +834,7 @@ async def prepare(args: argparse.Namespace, session: aiohttp.ClientSession) -> t
         max_tokens=args.max_tokens,
         ignore_eos=not args.no_ignore_eos,
         cache_salt=not args.no_cache_salt,
+        json_via=args.json_via,
     )
     log("workload", **{k: v for k, v in workload.describe().items() if v is not None})
     return target, workload
@@ -952,6 +944,12 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--mean-input-tokens", type=int, default=217)
     common.add_argument("--spread", type=int, default=96, help="prompt lengths are mean +- spread")
     common.add_argument("--max-tokens", type=int, default=48)
+    common.add_argument(
+        "--json-via",
+        choices=["structured_outputs", "response_format"],
+        default="structured_outputs",
+        help="how the json variant asks for guided decoding",
+    )
     common.add_argument("--no-ignore-eos", action="store_true", help="for servers without ignore_eos")
     common.add_argument(
         "--no-cache-salt",

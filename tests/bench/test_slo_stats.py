@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ def test_percentile_interpolates_between_ranks() -> None:
 def test_percentile_edge_cases() -> None:
     assert loadgen.percentile([], 99) is None
     assert loadgen.percentile([0.25], 99) == 0.25
-    with pytest.raises(ValueError, match="0..100"):
+    with pytest.raises(ValueError, match=r"0\.\.100"):
         loadgen.percentile([1.0], 101)
 
 
@@ -34,7 +36,7 @@ def test_poisson_schedule_is_seeded_and_has_the_right_rate() -> None:
     assert a == loadgen.poisson_schedule(8.0, 20000, seed=7)
     assert a != loadgen.poisson_schedule(8.0, 20000, seed=8)
     assert a[0] == 0.0
-    gaps = [b - x for x, b in zip(a, a[1:], strict=False)]
+    gaps = [b - x for x, b in itertools.pairwise(a)]
     assert all(g >= 0 for g in gaps)
     # Exponential gaps: mean 1/rate, and P(gap < mean) = 1 - 1/e.
     assert statistics.fmean(gaps) == pytest.approx(1 / 8.0, rel=0.03)
@@ -60,9 +62,17 @@ def test_prompt_lengths_hit_the_mean_exactly_with_a_spread() -> None:
 
 
 def _result(i: int, ttft: float, e2e: float, tokens: int = 48, ok: bool = True) -> RequestResult:
-    return RequestResult(index=i, prompt_tokens=200, scheduled_s=0.0, sent_s=0.0, ok=ok,
-                         error=None if ok else "http_503: busy", ttft_s=ttft if ok else None,
-                         e2e_s=e2e if ok else None, output_tokens=tokens if ok else 0)
+    return RequestResult(
+        index=i,
+        prompt_tokens=200,
+        scheduled_s=0.0,
+        sent_s=0.0,
+        ok=ok,
+        error=None if ok else "http_503: busy",
+        ttft_s=ttft if ok else None,
+        e2e_s=e2e if ok else None,
+        output_tokens=tokens if ok else 0,
+    )
 
 
 def test_summarize_computes_ttft_tpot_e2e_and_errors() -> None:
@@ -133,15 +143,18 @@ def test_trial_size_is_bounded() -> None:
     assert loadgen.trial_requests(1000, s) == 512
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:8081/", "http://[::1]:8000/v1",
-                                 "http://127.8.9.10:1"])
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000", "http://localhost:8081/", "http://[::1]:8000/v1", "http://127.8.9.10:1"]
+)
 def test_loopback_targets_are_accepted(url: str) -> None:
     base = loadgen.check_loopback(url)
     assert not base.endswith("/") and not base.endswith("/v1")
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.5:8000", "http://example.com:8000", "http://0.0.0.0:8000",
-                                 "ftp://127.0.0.1/", "127.0.0.1:8000"])
+@pytest.mark.parametrize(
+    "url",
+    ["http://10.0.0.5:8000", "http://example.com:8000", "http://0.0.0.0:8000", "ftp://127.0.0.1/", "127.0.0.1:8000"],
+)
 def test_other_targets_are_refused(url: str) -> None:
     with pytest.raises(ValueError):
         loadgen.check_loopback(url)
@@ -167,12 +180,15 @@ def test_request_body_is_greedy_streaming_fixed_length() -> None:
 
 def test_request_body_json_variant_uses_guided_decoding() -> None:
     c = _body(variant="json")
-    assert c["structured_outputs"] == {"json": loadgen.TICKET_SCHEMA}
+    assert c["structured_outputs"] == {"json": loadgen.TICKET_SCHEMA, "disable_any_whitespace": True}
     assert "ignore_eos" not in c  # the grammar must be able to end the object
     chat = _body(variant="json", api="chat")
     assert chat["_path"] == "/v1/chat/completions"
     assert chat["messages"] == [{"role": "user", "content": "a b c"}]
-    assert chat["response_format"]["json_schema"]["schema"] == loadgen.TICKET_SCHEMA
+    assert chat["structured_outputs"]["json"] == loadgen.TICKET_SCHEMA
+    portable = _body(variant="json", api="chat", json_via="response_format")
+    assert portable["response_format"]["json_schema"]["schema"] == loadgen.TICKET_SCHEMA
+    assert "structured_outputs" not in portable
 
 
 class WordTokenizer:
@@ -185,7 +201,7 @@ class WordTokenizer:
     async def encode(self, text: str) -> list[int]:
         return [self.ids.get(w, 0) for w in text.split()]
 
-    async def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+    async def decode(self, ids: Sequence[int]) -> str:
         return "".join(" " + self.words[i] for i in ids)
 
 
