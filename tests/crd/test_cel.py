@@ -1,0 +1,344 @@
+"""The FlashModel CRD on the real API server: CEL rejections with their messages, defaults, scale, printer columns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import ControlPlane
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}
+
+
+@pytest.fixture(scope="module")
+def crd(control_plane: ControlPlane) -> None:
+    control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
+    control_plane.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+
+
+@pytest.fixture(scope="module")
+def namespace(control_plane: ControlPlane, crd: None) -> str:
+    # One namespace for the whole module: these tests create small objects and never collide by name.
+    return control_plane.create_namespace("crd-cel")
+
+
+def fm(name: str, spec: dict[str, Any]) -> str:
+    return yaml.safe_dump(
+        {"apiVersion": "serving.flashmodel.io/v1alpha1", "kind": "FlashModel", "metadata": {"name": name}, "spec": spec}
+    )
+
+
+def create(cp: ControlPlane, namespace: str, name: str, spec: dict[str, Any]) -> tuple[int, str]:
+    proc = cp.kubectl("create", "-n", namespace, "-f", "-", input=fm(name, spec), check=False)
+    return proc.returncode, proc.stderr
+
+
+def get(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(cp.kubectl("get", "fm", name, "-n", namespace, "-o", "json").stdout)
+    return body
+
+
+def engine(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "engine": fields}
+
+
+REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
+    # (id, spec, field path in the error, message)
+    (
+        "t4-block-size-32",
+        engine(blockSize=32),
+        "spec.engine.blockSize",
+        "blockSize must be 16 on t4: the T4 attention kernel reads the KV cache in 16-token blocks; "
+        "set spec.engine.blockSize to 16 or leave it out",
+    ),
+    (
+        "t4-bfloat16",
+        engine(dtype="bfloat16"),
+        "spec.engine.dtype",
+        "dtype bfloat16 is not supported on t4: the T4 (sm_75) has no bf16 units; set spec.engine.dtype to float16",
+    ),
+    (
+        "t4-gpu-memory-0.92",
+        engine(gpuMemoryUtilization=0.92),
+        "spec.engine.gpuMemoryUtilization",
+        "gpuMemoryUtilization must be <= 0.90 on t4: the CUDA context and activations need the rest of the "
+        "16 GB card; set spec.engine.gpuMemoryUtilization to 0.85",
+    ),
+    (
+        "t4-max-model-len-8192",
+        engine(maxModelLen=8192, maxNumBatchedTokens=8192),
+        "spec.engine.maxModelLen",
+        "maxModelLen must be <= 4096 on t4: longer contexts leave too little KV cache on a 16 GB card for "
+        "concurrent requests; set spec.engine.maxModelLen to 4096 or less",
+    ),
+    (
+        "t4-max-num-seqs-512",
+        engine(maxNumSeqs=512),
+        "spec.engine.maxNumSeqs",
+        "maxNumSeqs must be <= 256 on t4: more concurrent sequences run the card out of memory (512 does); "
+        "set spec.engine.maxNumSeqs to 256 or less",
+    ),
+    (
+        "cpu-block-size-48",
+        {"model": MODEL, "accelerator": "cpu", "engine": {"blockSize": 48}},
+        "spec.engine.blockSize",
+        "blockSize must be a multiple of 32 on cpu: vLLM's CPU attention supports only such blocks; "
+        "set spec.engine.blockSize to 32 or leave it out",
+    ),
+    (
+        "cpu-float16",
+        {"model": MODEL, "accelerator": "cpu", "engine": {"dtype": "float16"}},
+        "spec.engine.dtype",
+        "dtype float16 is not supported on cpu: vLLM's CPU backend runs float32 or bfloat16; "
+        "set spec.engine.dtype to float32, bfloat16 or auto, or leave it out",
+    ),
+    (
+        "cpu-tile-attention",
+        {"model": MODEL, "accelerator": "cpu", "engine": {"attentionBackend": "tile"}},
+        "spec.engine.attentionBackend",
+        "attentionBackend tile needs a GPU: the tile kernel is a CUDA Triton kernel; on cpu set "
+        "spec.engine.attentionBackend to triton or auto",
+    ),
+    (
+        "prefill-cap-below-context",
+        engine(maxNumBatchedTokens=1024),
+        "spec.engine.maxNumBatchedTokens",
+        "maxNumBatchedTokens must be >= maxModelLen: a full-length prompt could never be scheduled; raise "
+        "spec.engine.maxNumBatchedTokens or add --enable-chunked-prefill to spec.engine.extraArgs",
+    ),
+    (
+        "autoscaling-min-above-max",
+        {"model": MODEL, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+        "spec.autoscaling",
+        "autoscaling.minReplicas must be <= maxReplicas: the HPA cannot keep more replicas than it may create; "
+        "raise maxReplicas or lower minReplicas",
+    ),
+    (
+        "no-model-source",
+        {"model": {"servedName": "qwen"}},
+        "spec.model",
+        "spec.model needs exactly one source: set one of pvc, image or hub (the engine loads one model per pod)",
+    ),
+    (
+        "two-model-sources",
+        {"model": {"hub": {"id": "a/b"}, "pvc": {"claimName": "models"}}},
+        "spec.model",
+        "spec.model needs exactly one source: set one of pvc, image or hub (the engine loads one model per pod)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "path", "message"), [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED])
+def test_bad_spec_is_rejected_with_its_reason(
+    control_plane: ControlPlane, namespace: str, spec: dict[str, Any], path: str, message: str
+) -> None:
+    rc, stderr = create(control_plane, namespace, "bad", spec)
+    assert rc != 0, "the API server accepted a spec it must refuse"
+    assert f"{path}: " in stderr, stderr
+    assert message in stderr, stderr
+
+
+# (extraArgs, the flag named in the message, the field to use instead)
+ENFORCED_ARGS: list[tuple[list[str], str, str]] = [
+    (["--block-size", "32"], "--block-size", "set spec.engine.blockSize instead"),
+    (["--block_size=32"], "--block-size", "set spec.engine.blockSize instead"),
+    (["--dtype=bfloat16"], "--dtype", "set spec.engine.dtype instead"),
+    (["--gpu-memory-utilization=0.95"], "--gpu-memory-utilization", "set spec.engine.gpuMemoryUtilization instead"),
+    (["--max-num-seqs", "512"], "--max-num-seqs", "set spec.engine.maxNumSeqs instead"),
+    (["--max_model_len", "8192"], "--max-model-len", "set spec.engine.maxModelLen instead"),
+    (["--max-num-batched-tokens=512"], "--max-num-batched-tokens", "set spec.engine.maxNumBatchedTokens instead"),
+    (["--enforce-eager"], "--enforce-eager", "set spec.engine.enforceEager instead"),
+    (["--no-enforce-eager"], "--enforce-eager", "set spec.engine.enforceEager instead"),
+    (["--attention-backend=FLASH_ATTN"], "--attention-backend", "set spec.engine.attentionBackend instead"),
+    (["--model", "/other"], "--model", "set spec.model (pvc, image or hub) instead"),
+    (["--served-model-name=gpt-4"], "--served-model-name", "set spec.model.servedName instead"),
+    (["--host=127.0.0.1"], "--host", "remove it"),
+    (["--port", "9000"], "--port", "remove it"),
+    (["--api-key=secret"], "--api-key", "set spec.auth.apiKeySecretRef instead"),
+    (["--config", "/tmp/vllm.yaml"], "--config", "put its settings into spec.engine instead"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "instead"), ENFORCED_ARGS, ids=[" ".join(a[0]).replace(" ", "_") for a in ENFORCED_ARGS]
+)
+def test_extra_args_cannot_override_an_enforced_flag(
+    control_plane: ControlPlane, namespace: str, args: list[str], flag: str, instead: str
+) -> None:
+    rc, stderr = create(control_plane, namespace, "bad-args", engine(extraArgs=["--enable-prefix-caching", *args]))
+    assert rc != 0, "the API server accepted an extraArgs entry that overrides an enforced flag"
+    assert "spec.engine.extraArgs: " in stderr, stderr
+    assert f"extraArgs must not set {flag}," in stderr, stderr
+    assert instead in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "expect"),
+    [
+        ("bad-accelerator", {"model": MODEL, "accelerator": "a100"}, 'spec.accelerator: Unsupported value: "a100"'),
+        ("bad-gmu", engine(gpuMemoryUtilization=0.05), "spec.engine.gpuMemoryUtilization: Invalid value: 0.05"),
+        ("bad-replicas", {"model": MODEL, "replicas": -1}, "spec.replicas: Invalid value: -1"),
+        (
+            "no-max-replicas",
+            {"model": MODEL, "autoscaling": {"minReplicas": 1}},
+            "spec.autoscaling.maxReplicas: Required",
+        ),
+        ("dotted.name", {"model": MODEL}, "metadata.name must be a DNS-1035 label"),
+        ("x" * 64, {"model": MODEL}, "metadata.name must be a DNS-1035 label"),
+    ],
+    ids=["enum", "minimum", "replicas-minimum", "required", "dotted-name", "long-name"],
+)
+def test_schema_bounds(
+    control_plane: ControlPlane, namespace: str, name: str, spec: dict[str, Any], expect: str
+) -> None:
+    rc, stderr = create(control_plane, namespace, name, spec)
+    assert rc != 0
+    assert expect in stderr, stderr
+
+
+def test_harmless_extra_args_and_chunked_prefill_are_accepted(control_plane: ControlPlane, namespace: str) -> None:
+    # Flags that merely start like an enforced one (--kv-cache-dtype, --model-impl) must pass.
+    args = ["--enable-prefix-caching", "--kv-cache-dtype=auto", "--model-impl", "vllm", "--enable-chunked-prefill"]
+    rc, stderr = create(control_plane, namespace, "good-args", engine(maxNumBatchedTokens=1024, extraArgs=args))
+    assert rc == 0, stderr
+    assert get(control_plane, namespace, "good-args")["spec"]["engine"]["extraArgs"] == args
+
+
+def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace: str) -> None:
+    rc, stderr = create(control_plane, namespace, "minimal", {"model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}})
+    assert rc == 0, stderr
+    assert get(control_plane, namespace, "minimal")["spec"] == {
+        "model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}},
+        "accelerator": "t4",
+        "replicas": 1,
+        # blockSize and dtype stay unset: their defaults depend on the accelerator (the profile's).
+        "engine": {
+            "image": "ghcr.io/flashmodel/engine:0.1.0",
+            "gpuMemoryUtilization": 0.85,
+            "maxNumSeqs": 256,
+            "maxModelLen": 4096,
+            "maxNumBatchedTokens": 4096,
+            "enforceEager": True,
+            "attentionBackend": "triton",
+            "extraArgs": [],
+        },
+        "prewarm": {"enabled": True, "requests": 5, "prompts": [], "maxTokens": 16, "timeoutSeconds": 120},
+        "health": {"readinessDeadlineSeconds": 5, "readinessCacheSeconds": 5, "startupTimeoutSeconds": 900},
+        "remediation": {
+            "enabled": True,
+            "divergenceRatio": 0.1,
+            "divergenceWindowSeconds": 300,
+            "lowKVCacheUsage": 0.5,
+            "maxRestartsPerHour": 2,
+            "hungReadinessSeconds": 120,
+        },
+    }
+
+
+def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namespace: str) -> None:
+    spec = {
+        "model": {"pvc": {"claimName": "models"}, "servedName": "qwen"},
+        "autoscaling": {"maxReplicas": 3},
+        "auth": {"apiKeySecretRef": {"name": "keys"}},
+        "prewarm": {"requests": 2},
+    }
+    rc, stderr = create(control_plane, namespace, "partial", spec)
+    assert rc == 0, stderr
+    got = get(control_plane, namespace, "partial")["spec"]
+    assert got["model"] == {"pvc": {"claimName": "models", "path": ""}, "servedName": "qwen"}
+    assert got["autoscaling"] == {"minReplicas": 1, "maxReplicas": 3, "targetRequestsPerSecond": 8}
+    assert got["auth"] == {"apiKeySecretRef": {"name": "keys", "key": "api-key"}}
+    assert got["prewarm"]["requests"] == 2 and got["prewarm"]["maxTokens"] == 16
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_accepted(control_plane: ControlPlane, namespace: str, path: Path) -> None:
+    # Server-side dry run: the real validation (schema, CEL, strict fields) without leaving objects behind.
+    proc = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", str(path), check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_kubectl_scale_uses_the_scale_subresource(control_plane: ControlPlane, namespace: str) -> None:
+    rc, stderr = create(control_plane, namespace, "scaled", {"model": MODEL})
+    assert rc == 0, stderr
+    control_plane.kubectl("scale", "fm", "scaled", "-n", namespace, "--replicas=3")
+    assert get(control_plane, namespace, "scaled")["spec"]["replicas"] == 3
+
+    # What an HPA reads: status replicas and the selector, as the operator writes them.
+    selector = "app.kubernetes.io/instance=scaled,app.kubernetes.io/name=flashmodel-engine"
+    status = {"status": {"replicas": 2, "selector": selector}}
+    control_plane.kubectl(
+        "patch", "fm", "scaled", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
+    raw = f"/apis/serving.flashmodel.io/v1alpha1/namespaces/{namespace}/flashmodels/scaled/scale"
+    scale = json.loads(control_plane.kubectl("get", "--raw", raw).stdout)
+    assert scale["kind"] == "Scale"
+    assert scale["spec"] == {"replicas": 3}
+    assert scale["status"] == {"replicas": 2, "selector": selector}
+
+
+def test_printer_columns_show_ready_replicas_accelerator_model(control_plane: ControlPlane, namespace: str) -> None:
+    rc, stderr = create(control_plane, namespace, "shown", {"model": {**MODEL, "servedName": "qwen"}, "replicas": 3})
+    assert rc == 0, stderr
+    status = {
+        "status": {
+            "replicasSummary": "2/3",
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "False",
+                    "reason": "ReplicasNotReady",
+                    "message": "2 of 3 replicas ready",
+                    "observedGeneration": 1,
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ],
+        }
+    }
+    control_plane.kubectl(
+        "patch", "fm", "shown", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
+    header, row = control_plane.kubectl("get", "fm", "shown", "-n", namespace).stdout.splitlines()
+    assert header.split() == ["NAME", "READY", "REPLICAS", "ACCELERATOR", "MODEL", "AGE"]
+    assert row.split()[:5] == ["shown", "False", "2/3", "t4", "qwen"]
+
+
+def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane, namespace: str) -> None:
+    # A status field missing from the schema is pruned silently, and the operator would rewrite it every pass.
+    rc, stderr = create(control_plane, namespace, "status-fields", {"model": MODEL})
+    assert rc == 0, stderr
+    status = {
+        "observedGeneration": 1,
+        "replicas": 1,
+        "readyReplicas": 1,
+        "prewarmedReplicas": 1,
+        "replicasSummary": "1/1",
+        "selector": "app.kubernetes.io/instance=status-fields",
+        "endpoint": "http://status-fields.ns.svc:8000/v1",
+        "engineArgs": ["--block-size", "16"],
+        "autoscaling": False,
+        "preflightRefusal": {"configHash": "abc", "retry": "", "pod": "p-1", "message": "head size 40"},
+        "pods": [{"name": "p-1", "prewarmed": True, "coldTTFTMs": 900.5, "warmTTFTMs": 80.25}],
+        "remediations": [{"pod": "p-0", "reason": "MemoryDivergence", "message": "m", "divergenceRatio": 0.2}],
+    }
+    control_plane.kubectl(
+        "patch",
+        "fm",
+        "status-fields",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
+    assert get(control_plane, namespace, "status-fields")["status"] == status

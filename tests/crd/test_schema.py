@@ -1,0 +1,147 @@
+"""The FlashModel CRD as a file: names, subresources, documentation, CEL-cost bounds, and the examples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from flashmodel_engine.profiles import ENFORCED_FLAGS
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "flashmodel.yaml"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def crd() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(CRD_PATH.read_text())
+    return doc
+
+
+def version() -> dict[str, Any]:
+    versions = crd()["spec"]["versions"]
+    assert [v["name"] for v in versions] == ["v1alpha1"]
+    v: dict[str, Any] = versions[0]
+    return v
+
+
+def schema() -> dict[str, Any]:
+    s: dict[str, Any] = version()["schema"]["openAPIV3Schema"]
+    return s
+
+
+def walk(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for key, child in node.get("properties", {}).items():
+        yield from walk(child, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_names_scope_and_served_version() -> None:
+    doc = crd()
+    assert doc["metadata"]["name"] == "flashmodels.serving.flashmodel.io"
+    assert doc["spec"]["group"] == "serving.flashmodel.io"
+    assert doc["spec"]["scope"] == "Namespaced"
+    assert doc["spec"]["names"]["kind"] == "FlashModel"
+    assert doc["spec"]["names"]["plural"] == "flashmodels"
+    assert doc["spec"]["names"]["shortNames"] == ["fm"]
+    assert version()["served"] is True and version()["storage"] is True
+
+
+def test_status_and_scale_subresources() -> None:
+    assert version()["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+
+
+def test_printer_columns() -> None:
+    columns = [(c["name"], c["jsonPath"]) for c in version()["additionalPrinterColumns"]]
+    assert columns == [
+        ("Ready", '.status.conditions[?(@.type=="Ready")].status'),
+        ("Replicas", ".status.replicasSummary"),
+        ("Accelerator", ".spec.accelerator"),
+        ("Model", ".spec.model.servedName"),
+        ("Age", ".metadata.creationTimestamp"),
+    ]
+
+
+def test_every_field_has_a_description() -> None:
+    missing = [p for p, node in walk(schema(), "") if p and p != ".metadata" and not node.get("description")]
+    # Items of string lists and map values are described by their parent.
+    missing = [p for p in missing if not p.endswith(("[]", "{}"))]
+    assert missing == []
+
+
+def test_spec_lists_and_strings_are_bounded_for_the_cel_cost_estimator() -> None:
+    unbounded = []
+    for path, node in walk(schema()["properties"]["spec"], "spec"):
+        if node.get("type") == "array" and "maxItems" not in node:
+            unbounded.append(path)
+        if node.get("type") == "string" and "enum" not in node and "maxLength" not in node:
+            unbounded.append(path)
+        if node.get("type") == "object" and "additionalProperties" in node and "maxProperties" not in node:
+            unbounded.append(path)
+    assert unbounded == []
+
+
+def _extra_args_rules() -> list[dict[str, str]]:
+    engine = schema()["properties"]["spec"]["properties"]["engine"]
+    rules: list[dict[str, str]] = engine["properties"]["extraArgs"]["x-kubernetes-validations"]
+    return rules
+
+
+@pytest.mark.parametrize("flag", [*sorted(ENFORCED_FLAGS), "--no-enforce-eager", "--config"])
+def test_every_enforced_engine_flag_has_a_cel_rule(flag: str) -> None:
+    # The engine refuses these at launch; the API server must refuse them first, naming the field.
+    rules = [r for r in _extra_args_rules() if f"'{flag}='" in r["rule"]]
+    assert len(rules) == 1, f"no CEL rule for {flag}"
+    canonical = "--enforce-eager" if flag == "--no-enforce-eager" else flag
+    assert f"must not set {canonical}," in rules[0]["message"]
+
+
+def _closed(node: dict[str, Any]) -> dict[str, Any]:
+    """The schema as JSON Schema with unknown fields refused (the API server's strict field validation)."""
+    out = deepcopy(node)
+    for _, sub in walk(out, ""):
+        if "properties" in sub and not sub.get("x-kubernetes-preserve-unknown-fields"):
+            sub.setdefault("additionalProperties", False)
+        sub.pop("x-kubernetes-validations", None)
+    return out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_fits_the_schema(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert [d["kind"] for d in docs] == ["FlashModel"]
+    assert docs[0]["apiVersion"] == "serving.flashmodel.io/v1alpha1"
+    jsonschema.Draft4Validator(_closed(schema())).validate(docs[0])
+
+
+def test_examples_cover_t4_with_autoscaling_and_auth_minimal_t4_and_cpu() -> None:
+    specs = [yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES]
+    assert any(s.get("accelerator", "t4") == "t4" and "autoscaling" in s and "auth" in s for s in specs)
+    assert any(set(s) == {"model"} for s in specs)
+    assert any(s.get("accelerator") == "cpu" for s in specs)
+
+
+def test_closed_schema_refuses_a_misspelt_field() -> None:
+    # Guards the example check above: it must catch a typo, not pass everything.
+    doc = {
+        "apiVersion": "v",
+        "kind": "FlashModel",
+        "spec": {"model": {"hub": {"id": "x"}}, "engine": {"blocksize": 16}},
+    }
+    with pytest.raises(jsonschema.ValidationError, match="blocksize"):
+        jsonschema.Draft4Validator(_closed(schema())).validate(doc)
