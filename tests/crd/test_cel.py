@@ -327,7 +327,17 @@ def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane
         "engineArgs": ["--block-size", "16"],
         "autoscaling": False,
         "preflightRefusal": {"configHash": "abc", "retry": "", "pod": "p-1", "message": "head size 40"},
-        "pods": [{"name": "p-1", "prewarmed": True, "coldTTFTMs": 900.5, "warmTTFTMs": 80.25}],
+        "pods": [
+            {
+                "name": "p-1",
+                "prewarmed": True,
+                "prewarmFailures": 1,
+                "coldTTFTMs": 900.5,
+                "warmTTFTMs": 80.25,
+                "lastPrewarmTime": "2026-01-01T00:00:00Z",
+                "reason": "Prewarmed",
+            }
+        ],
         "remediations": [{"pod": "p-0", "reason": "MemoryDivergence", "message": "m", "divergenceRatio": 0.2}],
     }
     control_plane.kubectl(
