@@ -162,6 +162,7 @@ ENFORCED_ARGS: list[tuple[list[str], str, str]] = [
     (["--host=127.0.0.1"], "--host", "remove it"),
     (["--port", "9000"], "--port", "remove it"),
     (["--api-key=secret"], "--api-key", "set spec.auth.apiKeySecretRef instead"),
+    (["--shutdown-timeout=0"], "--shutdown-timeout", "remove it"),
     (["--config", "/tmp/vllm.yaml"], "--config", "put its settings into spec.engine instead"),
 ]
 
