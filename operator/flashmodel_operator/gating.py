@@ -92,6 +92,10 @@ def gate_is_true(pod: dict[str, Any]) -> bool:
     )
 
 
+def container_restarts(pod: dict[str, Any]) -> int:
+    return sum(int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
 def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
     count = 0
     for entry in (fm.get("status") or {}).get("remediations") or []:
@@ -118,6 +122,7 @@ class PodWatch:
         self.attempts = 0
         self.divergent_since: float | None = None
         self.readyz_failing_since: float | None = None
+        self.restarts_seen: int | None = None
 
     async def _api(self, fn: Callable[..., T], *args: Any) -> T:
         # The API client is synchronous; keep the event loop free for the other pods.
@@ -179,6 +184,7 @@ class PodWatch:
             cold, warm = float(result.get("coldTTFTMs", 0.0)), float(result.get("warmTTFTMs", 0.0))
             metrics = await shim.metrics()
             self.generation_seen = metrics.generation if metrics else None
+            self.restarts_seen = container_restarts(pod)
             self.attempts = 0
             self.divergent_since = self.readyz_failing_since = None
             msg = f"{result.get('requests')} warm-up requests, cold TTFT {cold:.0f} ms, warm TTFT {warm:.0f} ms"
@@ -226,6 +232,18 @@ class PodWatch:
     ) -> float | None:
         now = time.monotonic()
         self.state.pods.setdefault(self.name, PodRecord(prewarmed=True))
+        restarts = container_restarts(pod)
+        if self.restarts_seen is None:
+            self.restarts_seen = restarts
+        elif restarts > self.restarts_seen:
+            # The kubelet restarted the engine container: it is cold, so off traffic until warm.
+            msg = f"engine container restarted ({self.restarts_seen} -> {restarts} restarts)"
+            await self.set_gate(False, "EngineRestarted", msg)
+            await self._api(self.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
+            self.state.pods[self.name].prewarmed = False
+            self.restarts_seen = None
+            await self.write_pods_status()
+            return 0.5
         metrics = await shim.metrics()
         live = await shim.live()
         ready = await shim.ready(spec.health.readiness_deadline_seconds + 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +15,7 @@ GENERATION_HUNG = "GenerationHung"
 # its own short confirmation so one stale or flapping scrape never evicts a pod.
 CONFIRM_SECONDS = 15.0
 # After one remediation the next waits at least this long (and for the replacement's readiness).
-BACKOFF_SECONDS = 60.0
+BACKOFF_SECONDS = float(os.environ.get("FLASHMODEL_REMEDIATION_BACKOFF_SECONDS", "60"))
 
 
 @dataclass(frozen=True)

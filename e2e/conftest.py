@@ -1,0 +1,34 @@
+"""e2e fixtures: the chart installed for real and the operator running with exactly its RBAC."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import ControlPlane
+from e2e.operator_run import chart_service_account, helm_install, running_operator, service_account_kubeconfig
+
+
+@pytest.fixture(scope="session")
+def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """helm install, then `python -m flashmodel_operator` as the chart's ServiceAccount; yields its log path."""
+    # Nodes without the kwok taint, tainted like GPU pools: only pods that tolerate
+    # nvidia.com/gpu (the t4 profile adds it) land here.
+    control_plane.add_t4_nodes(8, kwok_taint=False, gpu_taint=True)
+    helm_install(control_plane)
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = service_account_kubeconfig(control_plane, work / "kubeconfig", chart_service_account(control_plane))
+    log = work / "operator.log"
+    # Short waits so the self-healing tests finish in minutes; production keeps the defaults.
+    env = {
+        "FLASHMODEL_MONITOR_SECONDS": "2",
+        "FLASHMODEL_REMEDIATION_BACKOFF_SECONDS": "10",
+        "FLASHMODEL_METRICS_PORT": "0",
+    }
+    with running_operator(kubeconfig, log, extra_env=env) as proc:
+        yield log
+        assert proc.poll() is None, f"the operator exited: {log.read_text()[-3000:]}"
+    text = log.read_text()
+    assert "forbidden" not in text.lower(), f"RBAC denied the operator something:\n{text[-3000:]}"

