@@ -1,0 +1,108 @@
+"""helm install against the real API server: the objects are accepted and RBAC grants exactly what it should."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import ControlPlane
+from tests.chart.test_chart import CRD_GRANT, NAMESPACED_GRANTS
+
+pytestmark = pytest.mark.e2e
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "flashmodel-operator"
+
+
+def can_i(cp: ControlPlane, account: str, verb: str, group: str, resource: str) -> bool:
+    resource, _, sub = resource.partition("/")
+    target = f"{resource}.{group}" if group else resource
+    args = ["auth", "can-i", verb, target, f"--as={account}", "--all-namespaces"]
+    if sub:
+        args.append(f"--subresource={sub}")
+    proc = cp.kubectl(*args, check=False)
+    assert proc.stdout.strip() in ("yes", "no"), proc.stderr
+    return proc.returncode == 0
+
+
+def test_install_peered_release_and_check_every_grant(control_plane: ControlPlane, k8s_namespace: str) -> None:
+    release = "chart-e2e"
+    control_plane.helm("install", release, str(CHART), "-n", k8s_namespace, "--set", "replicaCount=2", "--wait=false")
+    try:
+        account = f"system:serviceaccount:{k8s_namespace}:{release}-flashmodel-operator"
+        grants = {
+            **CRD_GRANT,
+            **NAMESPACED_GRANTS,
+            ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
+        }
+        missing = [
+            f"{verb} {group}/{resource}"
+            for (group, resource), verbs in grants.items()
+            for verb in sorted(verbs)
+            if not can_i(control_plane, account, verb, group, resource)
+        ]
+        assert missing == []
+        # What the operator must not be able to do.
+        refused = [
+            ("delete", "serving.flashmodel.io", "flashmodels"),
+            ("list", "", "secrets"),
+            ("watch", "", "secrets"),
+            ("create", "", "pods"),
+            ("delete", "", "pods"),
+            ("update", "apps", "deployments"),
+            ("get", "", "nodes"),
+            ("delete", "apiextensions.k8s.io", "customresourcedefinitions"),
+            ("create", "rbac.authorization.k8s.io", "clusterroles"),
+        ]
+        allowed = [r for r in refused if can_i(control_plane, account, *r)]
+        assert allowed == []
+
+        deployment = json.loads(
+            control_plane.kubectl(
+                "get", "deployment", f"{release}-flashmodel-operator", "-n", k8s_namespace, "-o", "json"
+            ).stdout
+        )
+        assert deployment["spec"]["replicas"] == 2
+        # The peering object kopf requires with --peering was created after its CRD (crds/ installs first).
+        peering = control_plane.kubectl("get", "clusterkopfpeering", f"{release}-flashmodel-operator", check=False)
+        assert peering.returncode == 0, peering.stderr
+    finally:
+        control_plane.helm("uninstall", release, "-n", k8s_namespace, check=False)
+
+
+def test_namespaced_release_confines_the_operator(control_plane: ControlPlane, k8s_namespace: str) -> None:
+    watched = control_plane.create_namespace("chart-watched")
+    release = "chart-ns"
+    control_plane.helm(
+        "install",
+        release,
+        str(CHART),
+        "-n",
+        k8s_namespace,
+        "--set",
+        f"watchNamespaces={{{watched}}}",
+        "--set",
+        "rbac.scope=namespaced",
+        "--set",
+        "rbac.aggregateToDefaultRoles=false",
+        "--wait=false",
+    )
+    try:
+        account = f"system:serviceaccount:{k8s_namespace}:{release}-flashmodel-operator"
+
+        def can(verb: str, resource: str, namespace: str) -> bool:
+            resource, _, sub = resource.partition("/")
+            args = ["auth", "can-i", verb, resource, f"--as={account}", "-n", namespace]
+            if sub:
+                args.append(f"--subresource={sub}")
+            return control_plane.kubectl(*args, check=False).returncode == 0
+
+        assert can("patch", "deployments.apps", watched)
+        assert can("patch", "pods/status", watched)
+        assert not can("patch", "deployments.apps", k8s_namespace)
+        assert not can("get", "flashmodels.serving.flashmodel.io", "default")
+        assert can("list", "customresourcedefinitions.apiextensions.k8s.io", "default")
+    finally:
+        control_plane.helm("uninstall", release, "-n", k8s_namespace, check=False)
+        control_plane.kubectl("delete", "namespace", watched, "--wait=false", check=False)
