@@ -30,6 +30,7 @@ _PATHS: dict[tuple[str, str], str] = {
     ("v1", "Secret"): "/api/v1/namespaces/{ns}/secrets",
     ("v1", "Pod"): "/api/v1/namespaces/{ns}/pods",
     ("v1", "Event"): "/api/v1/namespaces/{ns}/events",
+    ("discovery.k8s.io/v1", "EndpointSlice"): "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
     ("policy/v1", "PodDisruptionBudget"): "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
@@ -136,6 +137,17 @@ class Cluster:
                 return False
             raise
         return True
+
+    def serving_addresses(self, namespace: str, service: str) -> set[str]:
+        """Addresses the Service routes to now: ready endpoints of its EndpointSlices."""
+        slices = self.list("discovery.k8s.io/v1", "EndpointSlice", namespace, f"kubernetes.io/service-name={service}")
+        return {
+            address
+            for s in slices
+            for endpoint in s.get("endpoints") or []
+            if (endpoint.get("conditions") or {}).get("ready")
+            for address in endpoint.get("addresses") or []
+        }
 
     def set_pod_condition(self, namespace: str, name: str, kind: str, value: bool, reason: str, message: str) -> None:
         """Set one pod condition (the readiness gate); a strategic merge keeps the kubelet's conditions."""

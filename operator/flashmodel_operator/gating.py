@@ -30,6 +30,8 @@ PREWARM_BACKOFF_SECONDS = 5.0
 DRAIN_SECONDS = 30.0
 """How long a drained pod may finish its in-flight requests before it is evicted anyway (the engine drains too)."""
 HISTORY = 10
+ENDPOINT_PROPAGATION_SECONDS = 2.0
+"""After the endpoint left the EndpointSlice, time for proxies and clients to stop using it."""
 
 REMEDIATIONS = Counter("flashmodel_operator_remediations_total", "Pods drained and evicted", ["reason"])
 PREWARMS = Counter("flashmodel_operator_prewarms_total", "Prewarm runs against engine pods", ["result"])

