@@ -380,13 +380,13 @@ class ControlPlane:
             "etcd",
             [
                 str(b / "etcd"),
-                "--name=default",
+                "--name=flashmodel",
                 f"--data-dir={self.dir / 'etcd'}",
                 f"--listen-client-urls=http://127.0.0.1:{p.etcd_client}",
                 f"--advertise-client-urls=http://127.0.0.1:{p.etcd_client}",
                 f"--listen-peer-urls=http://127.0.0.1:{p.etcd_peer}",
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{p.etcd_peer}",
-                f"--initial-cluster=default=http://127.0.0.1:{p.etcd_peer}",
+                f"--initial-cluster=flashmodel=http://127.0.0.1:{p.etcd_peer}",
                 # Test data is disposable; fsync dominates write latency on CI disks.
                 "--unsafe-no-fsync=true",
                 "--log-level=warn",
@@ -472,8 +472,6 @@ class ControlPlane:
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
                 "--manage-nodes-with-label-selector=",
-                "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
-                "--disregard-status-with-label-selector=",
                 f"--cidr={POD_CIDR}",
                 "--node-ip=127.0.0.1",
                 f"--server-address=127.0.0.1:{p.kwok}",
@@ -496,6 +494,12 @@ class ControlPlane:
             lambda: _http_ok(f"https://127.0.0.1:{p.scheduler}/healthz", insecure),
             self.start_timeout,
             scheduler.check_alive,
+        )
+        wait_until(
+            "kwok /healthz",
+            lambda: _http_ok(f"http://127.0.0.1:{p.kwok}/healthz"),
+            self.start_timeout,
+            kwok.check_alive,
         )
         # Pods need the "default" ServiceAccount, which the controller-manager creates.
         wait_until(

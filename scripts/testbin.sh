@@ -88,9 +88,7 @@ fi
 if missing kwok; then
   log "building component=kwok version=$KWOK_VERSION"
   # kwok and helm have no replace directives, so plain `go install pkg@version` works.
-  GOBIN=$STAGE go install -trimpath \
-    -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  GOBIN=$STAGE go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
   install_staged kwok
 fi
 
