@@ -68,13 +68,18 @@ TEMPLATE = (
 TICKET_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "ticket": {"type": "string", "maxLength": 40},
+        "ticket": {"type": "string", "minLength": 1, "maxLength": 16},
         "severity": {"type": "string", "enum": ["low", "medium", "high"]},
-        "action": {"type": "string", "maxLength": 80},
+        "action": {"type": "string", "minLength": 1, "maxLength": 32},
     },
     "required": ["ticket", "severity", "action"],
     "additionalProperties": False,
 }
+# The same object as a regular expression of compact JSON. vLLM applies "no whitespace" only as
+# a server flag (--structured-outputs-config), not per request, and under a schema grammar a
+# greedy random-weight model pads with whitespace until max_tokens cuts the object off; a regex
+# leaves no room for that, so the benchmark's JSON variant measures guided decoding that ends.
+TICKET_REGEX = r'\{"ticket":"[a-z ]{1,16}","severity":"(low|medium|high)","action":"[a-z ]{1,32}"\}'
 
 
 def log(event: str, **fields: object) -> None:
@@ -266,7 +271,8 @@ class Workload:
     cache_salt: bool = True
     calibrated: bool = False
     shared_prefix_tokens: int = 0
-    json_via: Literal["structured_outputs", "response_format"] = "structured_outputs"
+    json_via: Literal["schema", "regex", "response_format"] = "schema"
+    token_ids: bool = True
 
     def describe(self) -> dict[str, Any]:
         lengths = [p.tokens for p in self.prompts]
@@ -285,6 +291,7 @@ class Workload:
             "calibrated_with_server_tokenizer": self.calibrated,
             "shared_prefix_tokens": self.shared_prefix_tokens,
             "json_via": self.json_via if self.variant == "json" else None,
+            "return_token_ids": self.token_ids,
         }
 
 
@@ -406,6 +413,8 @@ def request_body(target: Target, workload: Workload, prompt: Prompt, salt: str |
     }
     if workload.ignore_eos:
         body["ignore_eos"] = True
+    if workload.token_ids:
+        body["return_token_ids"] = True
     if salt is not None:
         body["cache_salt"] = salt
     if workload.api == "chat":
@@ -422,24 +431,34 @@ def request_body(target: Target, workload: Workload, prompt: Prompt, salt: str |
                 "type": "json_schema",
                 "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA},
             }
+        elif workload.json_via == "regex":
+            body["structured_outputs"] = {"regex": TICKET_REGEX}
         else:
-            # vLLM's own form (0.12+; `guided_json` is gone). Compact JSON: with any whitespace
-            # allowed, a greedy model can pad between tokens until max_tokens cuts the object off.
-            body["structured_outputs"] = {"json": TICKET_SCHEMA, "disable_any_whitespace": True}
+            # vLLM's own form (0.12+; `guided_json` is gone).
+            body["structured_outputs"] = {"json": TICKET_SCHEMA}
         # A grammar must be allowed to close the object: forcing past EOS would make the output
         # invalid by construction, so the JSON variant stops where the schema does.
         body.pop("ignore_eos", None)
     return path, body
 
 
-def _chunk_text(chunk: dict[str, Any], api: Api) -> str:
+def chunk_tokens(chunk: dict[str, Any], api: Api) -> tuple[str, int]:
+    """The text of one SSE chunk and how many generated tokens it carries.
+
+    vLLM streams one chunk per token, but a token that ends inside a UTF-8 character carries
+    empty text (random-weight models emit such byte tokens often), so text alone would push
+    TTFT late; `token_ids` (asked for with return_token_ids) counts them. A chat stream's first
+    chunk holds only the role: no text, no token ids, so it is no first token."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return "", 0
     c0 = choices[0]
-    if api == "chat":
-        return str((c0.get("delta") or {}).get("content") or "")
-    return str(c0.get("text") or "")
+    delta = c0.get("delta") or {}
+    text = str((delta.get("content") if api == "chat" else c0.get("text")) or "")
+    ids = c0.get("token_ids") or delta.get("token_ids")
+    if ids:
+        return text, len(ids)
+    return text, 1 if text else 0
 
 
 async def send_one(
@@ -483,11 +502,11 @@ async def send_one(
                 if "error" in chunk:
                     res.error = f"stream_error: {str(chunk['error'])[:300]}"
                     return res
-                piece = _chunk_text(chunk, workload.api)
-                if piece:
+                piece, n = chunk_tokens(chunk, workload.api)
+                if n:
                     if res.ttft_s is None:
                         res.ttft_s = time.perf_counter() - start
-                    chunks += 1
+                    chunks += n
                     text_parts.append(piece)
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
@@ -835,6 +854,7 @@ async def prepare(args: argparse.Namespace, session: aiohttp.ClientSession) -> t
         ignore_eos=not args.no_ignore_eos,
         cache_salt=not args.no_cache_salt,
         json_via=args.json_via,
+        token_ids=not args.no_token_ids,
     )
     log("workload", **{k: v for k, v in workload.describe().items() if v is not None})
     return target, workload
@@ -946,9 +966,15 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--max-tokens", type=int, default=48)
     common.add_argument(
         "--json-via",
-        choices=["structured_outputs", "response_format"],
-        default="structured_outputs",
-        help="how the json variant asks for guided decoding",
+        choices=["schema", "regex", "response_format"],
+        default="schema",
+        help="json variant: vLLM structured_outputs with the JSON schema or with a compact-JSON regex "
+        "(for random-weight models), or OpenAI's response_format",
+    )
+    common.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="do not ask for vLLM's return_token_ids (count tokens by text chunks)",
     )
     common.add_argument("--no-ignore-eos", action="store_true", help="for servers without ignore_eos")
     common.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -175,12 +176,13 @@ def test_request_body_is_greedy_streaming_fixed_length() -> None:
     assert b["temperature"] == 0.0 and b["stream"] is True and b["ignore_eos"] is True
     assert b["max_tokens"] == 48 and b["prompt"] == "a b c" and b["cache_salt"] == "salt-0"
     assert b["stream_options"] == {"include_usage": True}
+    assert b["return_token_ids"] is True
     assert _body(prompt_format="ids")["prompt"] == [1, 2, 3]
 
 
 def test_request_body_json_variant_uses_guided_decoding() -> None:
     c = _body(variant="json")
-    assert c["structured_outputs"] == {"json": loadgen.TICKET_SCHEMA, "disable_any_whitespace": True}
+    assert c["structured_outputs"] == {"json": loadgen.TICKET_SCHEMA}
     assert "ignore_eos" not in c  # the grammar must be able to end the object
     chat = _body(variant="json", api="chat")
     assert chat["_path"] == "/v1/chat/completions"
@@ -189,6 +191,29 @@ def test_request_body_json_variant_uses_guided_decoding() -> None:
     portable = _body(variant="json", api="chat", json_via="response_format")
     assert portable["response_format"]["json_schema"]["schema"] == loadgen.TICKET_SCHEMA
     assert "structured_outputs" not in portable
+    assert _body(variant="json", json_via="regex")["structured_outputs"] == {"regex": loadgen.TICKET_REGEX}
+
+
+def test_ticket_regex_accepts_exactly_schema_valid_compact_json() -> None:
+    import re
+
+    good = '{"ticket":"gas leak","severity":"high","action":"fix the pipe"}'
+    assert re.fullmatch(loadgen.TICKET_REGEX, good)
+    d = json.loads(good)
+    assert set(d) == set(loadgen.TICKET_SCHEMA["required"])
+    assert d["severity"] in loadgen.TICKET_SCHEMA["properties"]["severity"]["enum"]
+    assert not re.fullmatch(loadgen.TICKET_REGEX, good.replace("high", "urgent"))
+    assert not re.fullmatch(loadgen.TICKET_REGEX, good.replace(",", ", ", 1))
+
+
+def test_chunk_tokens_counts_empty_text_tokens_but_not_the_role_chunk() -> None:
+    assert loadgen.chunk_tokens({"choices": [{"text": "", "token_ids": [196]}]}, "completions") == ("", 1)
+    assert loadgen.chunk_tokens({"choices": [{"text": " ab", "token_ids": [5, 6]}]}, "completions") == (" ab", 2)
+    assert loadgen.chunk_tokens({"choices": [{"text": " ab"}]}, "completions") == (" ab", 1)
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    assert loadgen.chunk_tokens(role, "chat") == ("", 0)
+    assert loadgen.chunk_tokens({"choices": [{"delta": {"content": "x"}, "token_ids": [1]}]}, "chat") == ("x", 1)
+    assert loadgen.chunk_tokens({"choices": [], "usage": {"completion_tokens": 48}}, "completions") == ("", 0)
 
 
 class WordTokenizer:
