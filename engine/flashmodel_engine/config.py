@@ -1,0 +1,169 @@
+"""The engine config (`/etc/flashmodel/engine.yaml`) as strict pydantic models, per docs/design.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+Accelerator = Literal["t4", "cpu"]
+Dtype = Literal["float16", "bfloat16", "float32", "auto"]
+AttentionBackend = Literal["triton", "tile", "auto"]
+
+
+class _Strict(BaseModel):
+    """camelCase on the wire (the operator renders the FlashModel's keys), snake_case in Python."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+class ModelSource(_Strict):
+    """Where the weights are and what clients call the model."""
+
+    path: str = Field(min_length=1, description="Model directory (or hub id for hub sources), vLLM's --model.")
+    served_name: str = Field(min_length=1, description="The name clients send as `model`.")
+
+
+class EngineSettings(_Strict):
+    """The FlashModel's `spec.engine`; None means 'the accelerator profile's default'."""
+
+    image: str | None = Field(default=None, description="Engine image; informational inside the pod.")
+    block_size: int | None = Field(
+        default=None, ge=1, description="KV-cache block size in tokens; t4: 16, cpu: multiple of 32."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None, ge=0.1, le=0.95, description="Fraction of GPU memory vLLM may use; t4: <= 0.90."
+    )
+    max_num_seqs: int | None = Field(default=None, ge=1, le=1024, description="Concurrent sequences; <= 256.")
+    max_model_len: int | None = Field(
+        default=None, ge=128, le=131072, description="Context length (prompt + output) in tokens."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Prefill cap per step; >= maxModelLen unless chunked prefill."
+    )
+    dtype: Dtype | None = Field(default=None, description="Weights/activations dtype; t4: never bfloat16.")
+    enforce_eager: bool = Field(default=True, description="Skip CUDA graphs (saves memory and start-up time).")
+    attention_backend: AttentionBackend = Field(
+        default="triton", description="triton: vLLM's Triton kernel; tile: flashmodel_kernels'; auto: vLLM."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More vLLM flags; none may set an enforced flag."
+    )
+    cpu_kv_cache_space_gib: int = Field(
+        default=1, ge=1, le=1024, alias="cpuKVCacheSpaceGiB",
+        description="cpu profile only: VLLM_CPU_KVCACHE_SPACE, the KV cache size in GiB.",
+    )
+
+
+class PrewarmSettings(_Strict):
+    """Warm-up requests run before the pod takes traffic."""
+
+    enabled: bool = Field(default=True, description="Whether /readyz waits for a successful prewarm.")
+    requests: int = Field(default=5, ge=1, le=100, description="How many warm-up requests.")
+    prompts: list[str] = Field(default_factory=list, description="Warm-up prompts; empty: built-in prompts.")
+    max_tokens: int = Field(default=16, ge=1, le=4096, description="max_tokens of each warm-up request.")
+    timeout_seconds: float = Field(default=120, gt=0, description="Deadline for the whole prewarm.")
+
+
+class HealthSettings(_Strict):
+    """Probe behaviour of the shim."""
+
+    readiness_deadline_seconds: float = Field(
+        default=5, gt=0, description="The one-token readiness generation must finish within this."
+    )
+    readiness_cache_seconds: float = Field(
+        default=5, ge=0, description="A readiness answer is reused this long (probes must not load the engine)."
+    )
+    startup_timeout_seconds: float = Field(
+        default=900, gt=0, description="Give up (exit non-zero) when vLLM has not loaded within this."
+    )
+
+
+class RemediationSettings(_Strict):
+    """Thresholds of the memory-divergence and hung-readiness signals."""
+
+    enabled: bool = Field(default=True, description="Whether remediation_recommended may turn 1.")
+    divergence_ratio: float = Field(
+        default=0.10, gt=0, le=1, description="Memory above the post-prewarm baseline, as a fraction of total."
+    )
+    divergence_window_seconds: float = Field(
+        default=300, ge=0, description="The divergence must be sustained this long before it counts."
+    )
+    low_kv_cache_usage: float = Field(
+        default=0.5, ge=0, le=1, alias="lowKVCacheUsage",
+        description="Divergence only counts while KV-cache usage is below this.",
+    )
+    max_restarts_per_hour: int = Field(default=2, ge=0, description="Operator's restart budget (not used here).")
+    hung_readiness_seconds: float = Field(
+        default=120, gt=0, description="/readyz failing this long while /livez is fine => remediate."
+    )
+
+
+class AuthSettings(_Strict):
+    """API key for vLLM's OpenAI server; the shim sends it too."""
+
+    api_key_file: str = Field(min_length=1, description="File holding the API key (a mounted Secret).")
+
+
+class ServerSettings(_Strict):
+    """Where the engine and the shim listen."""
+
+    host: str = Field(default="0.0.0.0", description="Bind address of both the engine and the shim.")
+    engine_port: int = Field(default=8000, ge=1, le=65535, description="vLLM's OpenAI server port.")
+    shim_port: int = Field(default=8081, ge=1, le=65535, description="The health shim's port (probes).")
+    drain_timeout_seconds: float = Field(
+        default=25, ge=0,
+        description="On SIGTERM, wait this long for in-flight requests; keep below terminationGracePeriod.",
+    )
+
+
+class EngineConfig(_Strict):
+    """The whole engine config the operator renders into the `<name>-engine` ConfigMap."""
+
+    accelerator: Accelerator = Field(default="t4", description="Accelerator profile: t4 or cpu.")
+    model: ModelSource = Field(description="Model source.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM settings.")
+    prewarm: PrewarmSettings = Field(default_factory=PrewarmSettings, description="Warm-up.")
+    health: HealthSettings = Field(default_factory=HealthSettings, description="Probes.")
+    remediation: RemediationSettings = Field(default_factory=RemediationSettings, description="Signals.")
+    auth: AuthSettings | None = Field(default=None, description="Absent: no API key.")
+    server: ServerSettings = Field(default_factory=ServerSettings, description="Ports and bind address.")
+
+
+class ConfigError(ValueError):
+    """The engine config file is missing, not YAML, or does not match the schema."""
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "<root>"
+        parts.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(parts)
+
+
+def parse_config(data: object, source: str = "<inline>") -> EngineConfig:
+    """Validate already-loaded YAML/JSON data; errors name the key, the value and the fix."""
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(
+            f"engine config {source} is invalid: {_describe(e)}; fix the FlashModel spec (docs/design.md)"
+        ) from e
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    """Read and validate the engine config file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"engine config {p} cannot be read ({e.strerror}); mount the ConfigMap there") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"engine config {p} is not YAML: {e}") from e
+    return parse_config(data, str(p))

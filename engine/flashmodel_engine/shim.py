@@ -1,0 +1,348 @@
+"""The health shim: /livez /readyz /startupz /prewarm /metrics beside vLLM, owning the engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
+from flashmodel_engine.prewarm import PrewarmResult, run_prewarm
+from flashmodel_engine.profiles import resolve
+
+if TYPE_CHECKING:
+    from flashmodel_engine.launcher import EngineProcess
+
+log = logging.getLogger("flashmodel.shim")
+
+# Never an empty prompt: vLLM answers 400 and a probe built on that restarts healthy pods.
+READINESS_PROMPT = "ready"
+SAMPLE_INTERVAL_SECONDS = float(os.environ.get("FLASHMODEL_SAMPLE_INTERVAL_SECONDS", "2"))
+PREWARM_BODY_KEYS = {"requests", "prompts"}
+
+
+def connect_host(bind_host: str) -> str:
+    """Where the shim reaches vLLM: a wildcard bind is reached through loopback."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind_host, bind_host)
+
+
+def _reply(status: int, ok: bool, reason: str, **extra: Any) -> web.Response:
+    return web.json_response({"ok": ok, "reason": reason, **extra}, status=status)
+
+
+class BadRequest(ValueError):
+    """A request to the shim that cannot be served as sent; the message is the 4xx reason."""
+
+
+def parse_prewarm_body(raw: bytes, default_requests: int) -> tuple[int, list[str] | None]:
+    """`POST /prewarm`'s optional body: {"requests": N, "prompts": [...]}."""
+    if not raw.strip():
+        return default_requests, None
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise BadRequest(f"body is not JSON ({e}); send {{\"requests\": N, \"prompts\": [...]}} or nothing") from e
+    if not isinstance(body, dict):
+        raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - PREWARM_BODY_KEYS)
+    if unknown:
+        raise BadRequest(f"unknown keys {unknown}; allowed: requests, prompts")
+    requests = body.get("requests", default_requests)
+    if not isinstance(requests, int) or isinstance(requests, bool) or not 1 <= requests <= 100:
+        raise BadRequest(f"requests must be an integer 1..100, got {requests!r}")
+    prompts = body.get("prompts")
+    if prompts is not None and (not isinstance(prompts, list) or
+                                not all(isinstance(p, str) and p.strip() for p in prompts)):
+        raise BadRequest("prompts must be a list of non-empty strings (an empty prompt is refused by vLLM)")
+    return requests, prompts or None
+
+
+class EngineShim:
+    """Owns the vLLM process for the probes: startup, readiness, prewarm, metrics, drain state."""
+
+    def __init__(self, config: EngineConfig, engine: EngineProcess) -> None:
+        self.config = config
+        self.engine = engine
+        self.base_url = f"http://{connect_host(config.server.host)}:{config.server.engine_port}"
+        if ":" in connect_host(config.server.host):
+            self.base_url = f"http://[{connect_host(config.server.host)}]:{config.server.engine_port}"
+        self.headers: dict[str, str] = {}
+        if config.auth is not None:
+            key = Path(config.auth.api_key_file).read_text().strip()
+            self.headers["Authorization"] = f"Bearer {key}"
+        self.max_model_len = resolve(config).max_model_len
+        self.metrics = EngineMetrics(config.remediation)
+        self.memory = MemoryReader()
+        self.started = False
+        self.draining = False
+        self.prewarm_result: PrewarmResult | None = None
+        self._prewarm_task: asyncio.Task[PrewarmResult] | None = None
+        self._ready: tuple[float, bool, str] | None = None
+        self._ready_task: asyncio.Task[tuple[bool, str]] | None = None
+        self._own_requests = 0.0
+        self._own_tokens = 0.0
+        self._real_tokens_seen: float | None = None
+        self._failing_since: float | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._sampler: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([
+            web.get("/livez", self.handle_livez),
+            web.get("/readyz", self.handle_readyz),
+            web.get("/startupz", self.handle_startupz),
+            web.post("/prewarm", self.handle_prewarm_post),
+            web.get("/prewarm", self.handle_prewarm_get),
+            web.get("/metrics", self.handle_metrics),
+        ])
+        return app
+
+    async def start(self) -> None:
+        """Listen on the shim port (before vLLM loads, so startup probes get an answer)."""
+        self._session = aiohttp.ClientSession()
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.server.host, self.config.server.shim_port)
+        await site.start()
+        self._sampler = asyncio.create_task(self._sample_loop())
+        log.info("event=shim-listening host=%s port=%d engine=%s", self.config.server.host,
+                 self.config.server.shim_port, self.base_url)
+
+    async def stop(self) -> None:
+        for task in (self._sampler, self._prewarm_task, self._ready_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "EngineShim.start() first"
+        return self._session
+
+    async def _get(self, path: str, timeout: float) -> tuple[int, str]:
+        async with self.session.get(self.base_url + path, headers=self.headers,
+                                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.text()
+
+    async def wait_started(self) -> bool:
+        """Poll vLLM's /health until it answers 200 once; False on timeout or engine exit."""
+        deadline = time.monotonic() + self.config.health.startup_timeout_seconds
+        while time.monotonic() < deadline and self.engine.alive():
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                status, _ = await self._get("/health", 2)
+                if status == 200:
+                    self.started = True
+                    load = time.monotonic() - (self.engine.started_at or time.monotonic())
+                    self.metrics.startup_seconds.labels(phase="engine_load").set(load)
+                    log.info("event=engine-started pid=%s load_seconds=%.1f", self.engine.pid, load)
+                    return True
+            await asyncio.sleep(0.5)
+        return False
+
+    # -- readiness -------------------------------------------------------------------------------
+
+    async def readiness(self) -> tuple[bool, str]:
+        """Ready = not draining, loaded, prewarmed (when enabled) and a real generation answers."""
+        if self.draining:
+            return False, "draining: SIGTERM received, finishing in-flight requests"
+        if not self.engine.alive():
+            return False, f"engine process exited with code {self.engine.returncode}"
+        if not self.started:
+            return False, "engine is still loading the model"
+        if self.config.prewarm.enabled and not (self.prewarm_result and self.prewarm_result.ok):
+            why = self.prewarm_result.error if self.prewarm_result else "not run yet"
+            return False, f"prewarm has not succeeded ({why}); POST /prewarm"
+        now = time.monotonic()
+        if self._ready is not None and now - self._ready[0] < self.config.health.readiness_cache_seconds:
+            return self._ready[1], self._ready[2] + " (cached)"
+        # One check at a time: a burst of probes must not become a burst of generations.
+        if self._ready_task is None or self._ready_task.done():
+            self._ready_task = asyncio.create_task(self._check_generation())
+        ok, reason = await asyncio.shield(self._ready_task)
+        self._ready = (time.monotonic(), ok, reason)
+        self._track_hung(ok)
+        return ok, reason
+
+    def _track_hung(self, ok: bool) -> None:
+        now = time.monotonic()
+        if ok:
+            self._failing_since = None
+        elif self._failing_since is None:
+            self._failing_since = now
+        hung = (self._failing_since is not None and self.config.remediation.enabled and
+                now - self._failing_since >= self.config.remediation.hung_readiness_seconds)
+        self.metrics.remediation.labels(reason="hung_readiness").set(1 if hung else 0)
+
+    async def _engine_sample(self, timeout: float) -> EngineSample:
+        status, text = await self._get("/metrics", timeout)
+        if status != 200:
+            raise aiohttp.ClientError(f"vLLM /metrics answered {status}")
+        return parse_vllm_metrics(text)
+
+    def _real_progress(self, sample: EngineSample) -> bool:
+        """Did vLLM generate tokens for clients since the last look? (Our own tokens subtracted.)"""
+        real = sample.generation_tokens_total - self._own_tokens
+        seen = self._real_tokens_seen
+        # Keep the maximum: vLLM's counter lags our own bookkeeping by a step, which must not
+        # read as client traffic once it catches up.
+        self._real_tokens_seen = real if seen is None else max(seen, real)
+        return seen is not None and real > seen
+
+    async def _check_generation(self) -> tuple[bool, str]:
+        deadline = self.config.health.readiness_deadline_seconds
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(deadline):
+                if self._real_progress(await self._engine_sample(deadline)):
+                    return True, "engine is generating tokens for client traffic"
+                body = {"model": self.config.model.served_name, "prompt": READINESS_PROMPT,
+                        "max_tokens": 1, "temperature": 0}
+                self._own_requests += 1
+                async with self.session.post(self.base_url + "/v1/completions", json=body,
+                                             headers=self.headers) as resp:
+                    payload = await resp.text()
+                    if resp.status != 200:
+                        return False, f"one-token generation answered {resp.status}: {payload[:200]}"
+                usage = json.loads(payload).get("usage") or {}
+                self._own_tokens += float(usage.get("completion_tokens") or 0)
+        except TimeoutError:
+            return False, f"one-token generation did not finish within readinessDeadlineSeconds={deadline}"
+        except (aiohttp.ClientError, ValueError) as e:
+            return False, f"one-token generation failed: {type(e).__name__}: {e}"
+        took = time.perf_counter() - start
+        self.metrics.probe_latency.observe(took)
+        return True, f"one-token generation answered in {took * 1000:.0f} ms"
+
+    # -- prewarm ---------------------------------------------------------------------------------
+
+    async def prewarm(self, requests: int | None = None, prompts: list[str] | None = None) -> PrewarmResult:
+        """Run prewarm, or join the one already running (the operator may call while we auto-run)."""
+        if self._prewarm_task is None or self._prewarm_task.done():
+            self._prewarm_task = asyncio.create_task(self._run_prewarm(
+                requests or self.config.prewarm.requests, prompts or self.config.prewarm.prompts))
+        return await asyncio.shield(self._prewarm_task)
+
+    async def _run_prewarm(self, requests: int, prompts: list[str]) -> PrewarmResult:
+        p = self.config.prewarm
+        log.info("event=prewarm-start requests=%d", requests)
+        result = await run_prewarm(self.base_url, self.config.model.served_name, requests=requests,
+                                   prompts=prompts, max_tokens=p.max_tokens, timeout_seconds=p.timeout_seconds,
+                                   max_model_len=self.max_model_len, headers=self.headers)
+        self._own_requests += result.requests
+        self._own_tokens += result.completion_tokens
+        self.prewarm_result = result
+        self._ready = None
+        m = self.metrics
+        m.prewarm_succeeded.set(1 if result.ok else 0)
+        m.prewarm_duration.set(result.duration_seconds)
+        m.prewarm_ttft.labels(phase="cold").set(result.cold_ttft_ms / 1000)
+        m.prewarm_ttft.labels(phase="warm").set(result.warm_ttft_ms / 1000)
+        if result.ok and self.engine.pid is not None:
+            # The baseline is memory with the model loaded, the KV cache allocated and the paths warm.
+            baseline = self.memory.read(self.engine.pid).used_bytes
+            m.set_baseline(baseline)
+            log.info("event=prewarm-done ok=true cold_ttft_ms=%.1f warm_ttft_ms=%.1f seconds=%.2f "
+                     "baseline_bytes=%d", result.cold_ttft_ms, result.warm_ttft_ms, result.duration_seconds,
+                     baseline)
+        else:
+            log.warning("event=prewarm-done ok=false error=%r", result.error)
+        return result
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_INTERVAL_SECONDS)
+            try:
+                await self.sample_once()
+            except Exception as e:  # a failed sample must not end sampling for the pod's life
+                log.warning("event=sample-failed error=%r", e)
+
+    async def sample_once(self) -> None:
+        m = self.metrics
+        m.generation.set(self.engine.generation)
+        pid = self.engine.pid
+        if pid is None or not self.engine.alive():
+            m.engine_up.set(0)
+            return
+        sample: EngineSample | None = None
+        if self.started:
+            try:
+                sample = await self._engine_sample(2)
+                m.engine_up.set(1)
+                m.observe_engine(time.monotonic(), sample, self._own_requests)
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                m.engine_up.set(0)
+        memory = await asyncio.to_thread(self.memory.read, pid)
+        m.observe_memory(time.monotonic(), memory, sample)
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def handle_livez(self, request: web.Request) -> web.Response:
+        if not self.engine.alive():
+            return _reply(503, False, f"engine process exited with code {self.engine.returncode}")
+        if not self.started:
+            return _reply(200, True, "engine process alive, still loading (the startup probe covers this)")
+        try:
+            status, _ = await self._get("/health", self.config.health.readiness_deadline_seconds)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            return _reply(503, False, f"vLLM /health did not answer: {type(e).__name__} {e}")
+        if status != 200:
+            return _reply(503, False, f"vLLM /health answered {status}")
+        return _reply(200, True, "engine process alive and /health answers")
+
+    async def handle_readyz(self, request: web.Request) -> web.Response:
+        ok, reason = await self.readiness()
+        return _reply(200 if ok else 503, ok, reason)
+
+    async def handle_startupz(self, request: web.Request) -> web.Response:
+        if self.started:
+            return _reply(200, True, "engine finished loading")
+        if not self.engine.alive():
+            return _reply(503, False, f"engine process exited with code {self.engine.returncode}")
+        age = time.monotonic() - (self.engine.started_at or time.monotonic())
+        return _reply(503, False, f"engine loading for {age:.0f}s")
+
+    async def handle_prewarm_post(self, request: web.Request) -> web.Response:
+        try:
+            requests, prompts = parse_prewarm_body(await request.read(), self.config.prewarm.requests)
+        except BadRequest as e:
+            return _reply(400, False, str(e))
+        if self.draining:
+            return _reply(503, False, "draining: no prewarm during shutdown")
+        if not self.started:
+            return _reply(503, False, "engine is still loading; retry when /startupz answers 200")
+        result = await self.prewarm(requests, prompts)
+        return web.json_response(result.to_json(), status=200 if result.ok else 502)
+
+    async def handle_prewarm_get(self, request: web.Request) -> web.Response:
+        if self.prewarm_result is None:
+            return _reply(404, False, "no prewarm has run yet; POST /prewarm")
+        return web.json_response(self.prewarm_result.to_json())
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        text: str | None = None
+        if self.started and self.engine.alive():
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                status, body = await self._get("/metrics", 2)
+                text = body if status == 200 else None
+        return web.Response(body=self.metrics.render(text), content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"})

