@@ -58,11 +58,11 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
     class _NoTritonLanguage:
         """``tl.constexpr`` must exist at import time: kernels use it in their signatures."""
 
-        class constexpr:  # noqa: N801 - mirrors triton.language.constexpr
+        class constexpr:  # mirrors triton.language.constexpr
             pass
 
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(f"triton.language.{name} used without Triton installed")
 
-    triton = _NoTriton()  # type: ignore[assignment]
-    tl = _NoTritonLanguage()  # type: ignore[assignment]
+    triton = _NoTriton()
+    tl = _NoTritonLanguage()

@@ -1,3 +1,6 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (Triton JIT functions take untyped pointer and stride arguments by design: Triton reads their
+# annotations only for constexpr. The typed launchers beside them carry the types.)
 """Tile attention: one Triton kernel family for decode and prefill/mixed batches over a paged KV cache.
 
 Layout contract (vLLM's, read through strides so a layout change upstream is a view, not a port):
@@ -23,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from flashmodel_kernels._triton import tl, triton
+from flashmodel_kernels._triton import INTERPRETING, tl, triton
 
 __all__ = ["LaunchConfig", "paged_attention", "plan_launch"]
 
@@ -34,6 +37,9 @@ MIN_TOKENS_PER_SPLIT = 256
 """A split shorter than this spends more on its merge than it saves in parallelism."""
 
 MAX_SPLITS = 32
+
+SHARED_BUDGET_BYTES = 48 * 1024
+"""Shared memory one program may plan for: the T4 allows 64 KB per block; the rest is headroom."""
 
 
 @triton.jit
@@ -71,6 +77,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
     tile_id = tl.program_id(0)
@@ -150,7 +157,12 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [BLOCK_N, HEAD_DIM_PAD]
 
-        s = tl.dot(q, k) * qk_scale_log2  # [BLOCK_M, BLOCK_N] fp32
+        if INTERPRETER_BF16:
+            # Triton 3.7's CPU interpreter multiplies bf16 operands as raw bits; fp32 operands
+            # give it the same products. Never set on a GPU.
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * qk_scale_log2
+        else:
+            s = tl.dot(q, k) * qk_scale_log2  # [BLOCK_M, BLOCK_N] fp32
         visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
 
@@ -161,7 +173,10 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if INTERPRETER_BF16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     # Rows with no visible key in this split (padding, or a split before a row's causal bound)
@@ -261,10 +276,13 @@ def plan_launch(
     """
     group_pad = triton.next_power_of_2(queries_per_kv)
     decode = max_query_len <= 1
-    block_m = 16 if decode else 64
+    # On sm_75 Triton lowers tl.dot to fp32 FMA and stages both operands in shared memory as
+    # fp32: (M + N) * head_dim_pad * 4 bytes. Keep that within 48 KB of the T4's 64 KB.
+    rows = SHARED_BUDGET_BYTES // (4 * triton.next_power_of_2(head_dim))
+    block_m = 16 if decode else min(64, max(16, rows - 32))
     block_q = max(1, block_m // group_pad)
-    # Large head dims double the tile's registers and shared memory; keep the T4 within 64 KB.
-    block_n = 64 if decode and head_dim <= 128 else 32
+    spare = max(16, min(64 if decode else 32, rows - block_q * group_pad))
+    block_n = 1 << (spare.bit_length() - 1)  # tl.arange takes powers of two
     q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     programs = q_tiles * num_kv_heads
     splits = 1
@@ -296,19 +314,15 @@ def paged_attention(
     Returns ``out`` (allocated like ``query`` when not given).
     """
     num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, page_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, page_size, num_kv_heads, cache_head_dim = key_cache.shape
     if page_size != PAGE_SIZE:
         raise ValueError(f"KV cache block size is {page_size}; tile attention reads {PAGE_SIZE}-token blocks")
     if cache_head_dim != head_dim or head_dim % 16 != 0:
-        raise ValueError(
-            f"head_dim {head_dim} (cache {cache_head_dim}) must match and be a multiple of 16"
-        )
+        raise ValueError(f"head_dim {head_dim} (cache {cache_head_dim}) must match and be a multiple of 16")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
     if query.dtype not in (torch.float16, torch.bfloat16) or key_cache.dtype != query.dtype:
-        raise ValueError(
-            f"query {query.dtype} and cache {key_cache.dtype} must both be float16 or bfloat16"
-        )
+        raise ValueError(f"query {query.dtype} and cache {key_cache.dtype} must both be float16 or bfloat16")
     if out is None:
         out = torch.empty_like(query)
     if query.stride(-1) != 1 or out.stride(-1) != 1:
@@ -366,6 +380,7 @@ def paged_attention(
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits,
+        INTERPRETER_BF16=INTERPRETING and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

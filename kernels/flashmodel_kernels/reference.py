@@ -74,8 +74,8 @@ def random_paged_batch(
         return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype)
 
     if packed_kv:
-        kv = randn(num_blocks, page_size, num_kv_heads, 2 * head_dim)
-        key_cache, value_cache = kv.to(device).split(head_dim, dim=-1)
+        kv = randn(num_blocks, page_size, num_kv_heads, 2 * head_dim).to(device)
+        key_cache, value_cache = kv[..., :head_dim], kv[..., head_dim:]
     else:
         key_cache = randn(num_blocks, page_size, num_kv_heads, head_dim).to(device)
         value_cache = randn(num_blocks, page_size, num_kv_heads, head_dim).to(device)

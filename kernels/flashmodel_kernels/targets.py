@@ -1,0 +1,199 @@
+"""Compile the tile-attention kernels for a GPU that is not there (the T4, sm_75) and report limits.
+
+Triton compiles to PTX and cubin without a device, so this runs on a CPU-only machine as well as
+on the H200: it proves the fp16 path fits a T4 (shared memory per block, no bf16 or tf32
+instructions) before a T4 ever sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashmodel_kernels._triton import INTERPRETING, triton
+from flashmodel_kernels.paged_attention import (
+    PAGE_SIZE,
+    LaunchConfig,
+    _merge_splits_kernel,
+    _paged_attention_kernel,
+)
+
+__all__ = ["T4_SHARED_MEMORY_BYTES", "CompileReport", "compile_tile_attention"]
+
+T4_SHARED_MEMORY_BYTES = 64 * 1024
+"""The most shared memory one block may use on sm_75."""
+
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+_FP32_POINTERS = {"part_out_ptr", "part_lse_ptr"}
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What the compiler produced for one kernel at one target."""
+
+    kernel: str
+    target: str
+    shared_bytes: int
+    mma_instructions: int
+    """Tensor-core instructions; 0 on sm_75, where Triton lowers tl.dot to fp32 FMA."""
+    bf16_instructions: int
+    tf32_instructions: int
+    ptx_lines: int
+
+
+def _jit_function(kernel: Any) -> Any:
+    # Under TRITON_INTERPRET=1 ``@triton.jit`` gives an interpreter object; the compiler needs
+    # the JIT form of the same Python function.
+    from triton.runtime.jit import JITFunction
+
+    return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+
+
+def _compile(
+    kernel: Any, dtype: torch.dtype, constexprs: dict[str, int], num_warps: int, num_stages: int, arch: int
+) -> CompileReport:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _jit_function(kernel)
+    signature: dict[str, str] = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in _INT_POINTERS:
+            signature[name] = "*i32"
+        elif name in _FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + _TRITON_DTYPE[dtype]
+        elif name == "qk_scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    ptx: str = compiled.asm["ptx"]
+    body = [line for line in ptx.splitlines() if line.strip() and not line.lstrip().startswith("//")]
+    return CompileReport(
+        kernel=fn.__name__,
+        target=f"sm_{arch}",
+        shared_bytes=int(compiled.metadata.shared),
+        mma_instructions=sum(1 for line in body if re.search(r"\b(mma|wgmma)\.", line)),
+        bf16_instructions=sum(1 for line in body if "bf16" in line),
+        tf32_instructions=sum(1 for line in body if "tf32" in line),
+        ptx_lines=len(body),
+    )
+
+
+def compile_tile_attention(
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    queries_per_kv: int,
+    config: LaunchConfig,
+    arch: int = 75,
+) -> list[CompileReport]:
+    """Compile the attention kernel (and the split merge, when ``config`` splits) for ``sm_{arch}``.
+
+    Under ``TRITON_INTERPRET=1`` Triton's own library functions are interpreter objects that
+    the compiler cannot inline, so the compile then runs in a child process without it.
+    """
+    if INTERPRETING:
+        return _compile_in_child(
+            dtype=dtype, head_dim=head_dim, queries_per_kv=queries_per_kv, config=config, arch=arch
+        )
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    attention = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=PAGE_SIZE,
+        QUERIES_PER_KV=queries_per_kv,
+        QUERIES_PER_KV_PAD=triton.next_power_of_2(queries_per_kv),
+        BLOCK_Q=config.block_q,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=config.num_splits,
+        INTERPRETER_BF16=0,
+    )
+    reports = [_compile(_paged_attention_kernel, dtype, attention, config.num_warps, config.num_stages, arch)]
+    if config.num_splits > 1:
+        merge = dict(
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=config.num_splits,
+            NUM_SPLITS_PAD=triton.next_power_of_2(config.num_splits),
+        )
+        reports.append(_compile(_merge_splits_kernel, dtype, merge, 4, 1, arch))
+    return reports
+
+
+def _compile_in_child(
+    *, dtype: torch.dtype, head_dim: int, queries_per_kv: int, config: LaunchConfig, arch: int
+) -> list[CompileReport]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The child must import this very package, wherever it was imported from (pytest's pythonpath).
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    args = [
+        sys.executable,
+        "-m",
+        "flashmodel_kernels.targets",
+        "--dtype",
+        str(dtype).removeprefix("torch."),
+        "--head-dim",
+        str(head_dim),
+        "--queries-per-kv",
+        str(queries_per_kv),
+        "--arch",
+        str(arch),
+        "--block-q",
+        str(config.block_q),
+        "--block-n",
+        str(config.block_n),
+        "--num-splits",
+        str(config.num_splits),
+        "--num-warps",
+        str(config.num_warps),
+        "--num-stages",
+        str(config.num_stages),
+    ]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling for sm_{arch} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return [CompileReport(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flashmodel_kernels.targets --head-dim 128 ...``: print the reports as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--head-dim", type=int, required=True)
+    parser.add_argument("--queries-per-kv", type=int, required=True)
+    parser.add_argument("--arch", type=int, default=75)
+    parser.add_argument("--block-q", type=int, required=True)
+    parser.add_argument("--block-n", type=int, required=True)
+    parser.add_argument("--num-splits", type=int, default=1)
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=2)
+    a = parser.parse_args(argv)
+    config = LaunchConfig(a.block_q, a.block_n, a.num_splits, a.num_warps, a.num_stages)
+    reports = compile_tile_attention(
+        dtype=getattr(torch, a.dtype), head_dim=a.head_dim, queries_per_kv=a.queries_per_kv, config=config, arch=a.arch
+    )
+    print(json.dumps([dataclasses.asdict(r) for r in reports]))
+
+
+if __name__ == "__main__":
+    main()

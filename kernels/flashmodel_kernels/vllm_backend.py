@@ -1,0 +1,217 @@
+# mypy: disallow-subclassing-any=False
+# (Where vLLM is not installed, as in CI, its classes are Any; the subclasses are still typed.)
+"""Tile attention as a vLLM 0.26 attention backend (imported by vLLM only, through the registry).
+
+The backend reuses what vLLM's own Triton backend does around attention: its metadata builder,
+its KV-cache layout and its cache write (``do_kv_cache_update``). Only the attention itself is
+ours, so the comparison with TRITON_ATTN is kernel against kernel on the same cache.
+
+``FLASHMODEL_TILE_VERIFY=1`` also runs vLLM's Triton kernel on every call and logs the relative
+difference (one line per call for the first calls, then every 500th): the proof that the two
+agree inside a real engine. It doubles the attention time; never set it in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
+)
+
+from flashmodel_kernels.paged_attention import PAGE_SIZE, paged_attention
+
+__all__ = ["TileAttentionBackend", "TileAttentionImpl", "TileAttentionMetadataBuilder"]
+
+logger = logging.getLogger("vllm.plugins.flashmodel_tile_attention")
+
+VERIFY_ENV = "FLASHMODEL_TILE_VERIFY"
+_VERIFY_LOG_FIRST = 64
+_VERIFY_LOG_EVERY = 500
+
+
+class _Tally:
+    """Calls and worst difference over all layers of the process (each layer has its own impl)."""
+
+    calls = 0
+    worst = 0.0
+
+
+class TileAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    """vLLM's Triton metadata, declared outside CUDA graphs.
+
+    The kernel picks its split count from host-side sizes; under a captured graph that choice
+    would be frozen at capture time. That stays correct (bounds are read on the device) but is
+    untested, so vLLM keeps attention out of graphs (piecewise). The T4 profile runs eager anyway.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+
+class TileAttentionBackend(TritonAttentionBackend):
+    """Decoder self-attention over 16-token pages, fp16 or bf16, any head size a multiple of 16."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM maps the name back to its enum (AttentionBackendEnum[name]): it must be the slot.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[TileAttentionImpl]:
+        return TileAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TileAttentionMetadataBuilder]:
+        return TileAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        # (vLLM 0.26 calls this with no argument; later versions pass the cache spec.)
+        return [PAGE_SIZE]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size == PAGE_SIZE
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size % 16 == 0 and 16 <= head_size <= 256
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return bool(attn_type == AttentionType.DECODER)
+
+
+class TileAttentionImpl(TritonAttentionImpl):
+    """Runs ``paged_attention`` where vLLM's Triton backend runs its unified kernel."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        unsupported = {
+            "alibi_slopes": self.alibi_slopes is not None,
+            "sliding_window": self.sliding_window != (-1, -1),
+            "logits_soft_cap": bool(self.logits_soft_cap),
+            "sinks": self.sinks is not None,
+            "chunked local attention": self.chunk_lookback != -1,
+            f"attn_type={self.attn_type}": self.attn_type != AttentionType.DECODER,
+            f"kv_cache_dtype={self.kv_cache_dtype}": self.kv_cache_dtype not in ("auto", "float16", "bfloat16"),
+        }
+        wanted = [name for name, used in unsupported.items() if used]
+        if wanted:
+            raise NotImplementedError(
+                f"flashmodel tile attention does not support {', '.join(wanted)}; "
+                "use --attention-backend TRITON_ATTN for this model"
+            )
+        self._verify = os.environ.get(VERIFY_ENV, "0") == "1"
+
+    def forward(
+        self,
+        layer: Any,  # vLLM's base class says AttentionLayer, its Triton impl torch.nn.Module
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,  # logical [num_blocks, num_kv_heads, 16, 2 * head_size]
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("flashmodel tile attention does not fuse output quantization")
+        if attn_metadata is None:
+            return output.fill_(0)  # vLLM's memory-profiling pass: no cache yet
+        n = attn_metadata.num_actual_tokens
+        # vLLM 0.26 packs K and V side by side in the last dimension of one tensor; these are
+        # strided views of it, [num_blocks, 16, num_kv_heads, head_size], read through strides.
+        kv = kv_cache.transpose(1, 2)
+        key_cache, value_cache = kv[..., : self.head_size], kv[..., self.head_size :]
+        paged_attention(
+            query[:n],
+            key_cache,
+            value_cache,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,
+            scale=self.scale,
+            out=output[:n],
+        )
+        if _Tally.calls == 0:
+            logger.info(
+                "flashmodel tile attention forward: heads=%d kv_heads=%d head_size=%d dtype=%s verify=%s",
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_size,
+                query.dtype,
+                self._verify,
+            )
+        _Tally.calls += 1
+        if self._verify:
+            self._compare_with_triton_attn(layer, query, key, value, kv_cache, attn_metadata, output, n)
+        return output
+
+    def _compare_with_triton_attn(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+        n: int,
+    ) -> None:
+        reference = torch.empty_like(output)
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, reference)
+        ours, theirs = output[:n].double(), reference[:n].double()
+        rel = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
+        max_abs = float((ours - theirs).abs().max()) if n else 0.0
+        _Tally.worst = max(_Tally.worst, rel)
+        if _Tally.calls <= _VERIFY_LOG_FIRST or _Tally.calls % _VERIFY_LOG_EVERY == 0:
+            logger.info(
+                "flashmodel tile verify: call=%d tokens=%d seqs=%d max_query_len=%d max_seq_len=%d "
+                "rel_err_vs_triton_attn=%.3e max_abs=%.3e worst_so_far=%.3e",
+                _Tally.calls,
+                n,
+                attn_metadata.seq_lens.shape[0],
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
+                rel,
+                max_abs,
+                _Tally.worst,
+            )

@@ -1,0 +1,211 @@
+"""Tile attention equals a float64 reference within fp16/bf16 rounding, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, plan_launch
+from flashmodel_kernels.reference import (
+    PagedBatch,
+    random_paged_batch,
+    reference_attention,
+    relative_error,
+)
+
+# ‖out − ref‖/‖ref‖ bounds: a correct kernel lands at the output dtype's rounding (about 2.5e-4
+# for fp16, 2e-3 for bf16, seen here); a softmax that loses one tile is off by 1e-1 or more.
+TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def run_and_check(batch: PagedBatch, dtype: torch.dtype, seed_note: str, config: LaunchConfig | None = None) -> float:
+    # Poison: NaN in every output element, so one that the kernel does not write fails the check.
+    out = torch.full_like(batch.query, float("nan"))
+    result = paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+        scale=batch.scale,
+        out=out,
+        config=config,
+    )
+    assert result is out
+    unwritten = int(torch.isnan(out).sum())
+    assert unwritten == 0, f"{unwritten} output elements not written ({seed_note})"
+    err = relative_error(out, reference_attention(batch))
+    assert err < TOLERANCE[dtype], f"relative error {err:.3e} >= {TOLERANCE[dtype]:.0e} ({seed_note})"
+    return err
+
+
+def make(
+    query_lens: list[int],
+    context_lens: list[int],
+    *,
+    group: int,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float16,
+    device: str,
+    generator: torch.Generator,
+    packed_kv: bool = True,
+) -> tuple[PagedBatch, str]:
+    seed_note = f"seed={generator.initial_seed()} q={query_lens} ctx={context_lens} group={group}"
+    batch = random_paged_batch(
+        query_lens,
+        context_lens,
+        num_q_heads=group * kv_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        packed_kv=packed_kv,
+        generator=generator,
+    )
+    return batch, seed_note
+
+
+@pytest.mark.parametrize("group", [1, 6, 7])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_many_sequences_mixed_lengths(
+    group: int, dtype: torch.dtype, device: str, generator: torch.Generator
+) -> None:
+    # Context lengths around page edges: a sequence ending exactly on a full page (15 + 1 = 16,
+    # 31 + 1 = 32), one token into a fresh page (16 + 1), and lengths that are not multiples of 16.
+    ctx = [0, 15, 16, 31, 47, 100]
+    batch, note = make([1] * len(ctx), ctx, group=group, dtype=dtype, device=device, generator=generator)
+    run_and_check(batch, dtype, note)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_decode_one_sequence_head_dims(head_dim: int, device: str, generator: torch.Generator) -> None:
+    batch, note = make([1], [203], group=6, head_dim=head_dim, device=device, generator=generator)
+    run_and_check(batch, torch.float16, note)
+
+
+@pytest.mark.parametrize("group", [1, 6, 7])
+def test_prefill_and_decode_mixed_batch(group: int, device: str, generator: torch.Generator) -> None:
+    # A fresh prompt, a chunked prefill continuing a cached prefix, and two decodes in one batch.
+    batch, note = make([37, 20, 1, 1], [0, 29, 16, 70], group=group, device=device, generator=generator)
+    run_and_check(batch, torch.float16, note)
+
+
+def test_prefill_one_long_prompt_crosses_query_tiles(device: str, generator: torch.Generator) -> None:
+    batch, note = make([83], [0], group=7, kv_heads=1, device=device, generator=generator)
+    run_and_check(batch, torch.bfloat16 if device == "cuda" else torch.float16, note)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_kv_merges_exactly(splits: int, device: str, generator: torch.Generator) -> None:
+    # 8 splits over a 20-token sequence leaves whole splits empty: their weight must be zero.
+    batch, note = make([1, 1, 3], [300, 19, 150], group=6, device=device, generator=generator)
+    run_and_check(batch, torch.float16, note, LaunchConfig(block_q=2, block_n=32, num_splits=splits))
+
+
+def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
+    # Two contiguous tensors instead of vLLM 0.26's packed one: only the strides differ.
+    batch, note = make([1, 5], [33, 64], group=6, device=device, generator=generator, packed_kv=False)
+    run_and_check(batch, torch.float16, note)
+
+
+def test_reads_nothing_past_the_sequence(device: str, generator: torch.Generator) -> None:
+    """NaN in every cache slot no sequence owns: a read past seq_len would poison the output."""
+    batch, note = make([1, 4], [20, 9], group=6, device=device, generator=generator, packed_kv=False)
+    owned = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        for pos in range(seq_len):
+            owned[int(batch.block_table[i, pos // 16]), pos % 16] = True
+    for cache in (batch.key_cache, batch.value_cache):
+        cache[~owned.to(cache.device)] = float("nan")
+    run_and_check(batch, torch.float16, note)
+
+
+def test_softmax_is_exact_across_tiles_with_one_dominant_key(device: str, generator: torch.Generator) -> None:
+    """A key far above all others in the last tile: a per-tile softmax without rescaling fails."""
+    batch, note = make([1], [130], group=1, kv_heads=1, device=device, generator=generator, packed_kv=False)
+    q = batch.query[0, 0].float()
+    last = 130
+    page = int(batch.block_table[0, last // 16])
+    batch.key_cache[page, last % 16, 0] = (q * 8.0 / q.norm()).to(batch.key_cache.dtype)
+    run_and_check(batch, torch.float16, note, LaunchConfig(block_q=16, block_n=16, num_splits=1))
+
+
+def test_empty_batch_returns_without_launch(device: str, generator: torch.Generator) -> None:
+    batch, _ = make([1], [3], group=1, device=device, generator=generator)
+    q = batch.query[:0]
+    out = paged_attention(
+        q,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table[:0],
+        batch.seq_lens[:0],
+        batch.query_start_loc[:1],
+        max_query_len=0,
+        max_seq_len=0,
+        scale=1.0,
+    )
+    assert out.shape == q.shape
+
+
+def test_rejects_a_cache_that_is_not_16_token_blocks(device: str, generator: torch.Generator) -> None:
+    batch, _ = make([1], [3], group=1, device=device, generator=generator)
+    k32 = (
+        batch.key_cache.reshape(-1, 32, *batch.key_cache.shape[2:])
+        if batch.key_cache.shape[0] % 2 == 0
+        else torch.zeros(2, 32, *batch.key_cache.shape[2:], dtype=batch.key_cache.dtype)
+    )
+    with pytest.raises(ValueError, match="16-token blocks"):
+        paged_attention(
+            batch.query,
+            k32,
+            k32,
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start_loc,
+            max_query_len=1,
+            max_seq_len=4,
+            scale=1.0,
+        )
+
+
+class TestPlanLaunch:
+    def plan(self, **overrides: int) -> LaunchConfig:
+        sizes = dict(
+            num_seqs=1,
+            num_tokens=1,
+            max_query_len=1,
+            max_seq_len=4096,
+            num_kv_heads=2,
+            queries_per_kv=6,
+            head_dim=128,
+            multiprocessors=132,
+        )
+        sizes.update(overrides)
+        return plan_launch(**sizes)
+
+    def test_small_decode_batch_splits_the_key_range(self) -> None:
+        assert self.plan().num_splits > 1
+
+    def test_large_decode_batch_does_not_split(self) -> None:
+        assert self.plan(num_seqs=256, num_tokens=256).num_splits == 1
+
+    def test_short_context_does_not_split_below_min_length(self) -> None:
+        assert self.plan(max_seq_len=300).num_splits == 1
+
+    @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+    @pytest.mark.parametrize("queries_per_kv", [1, 6, 7, 8])
+    @pytest.mark.parametrize("max_query_len", [1, 512])
+    def test_tile_fits_t4_shared_memory_and_tl_dot(
+        self, head_dim: int, queries_per_kv: int, max_query_len: int
+    ) -> None:
+        cfg = self.plan(
+            head_dim=head_dim, queries_per_kv=queries_per_kv, max_query_len=max_query_len, num_tokens=max_query_len
+        )
+        block_m = cfg.block_q * (1 << (queries_per_kv - 1).bit_length())
+        pad = 1 << (head_dim - 1).bit_length()
+        assert block_m >= 16 and cfg.block_n >= 16 and cfg.block_n % 16 == 0
+        # fp32 operand staging on sm_75, the budget plan_launch keeps (checked by compiling too).
+        assert (block_m + cfg.block_n) * pad * 4 <= 48 * 1024
