@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -63,8 +64,11 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict[str, st
         return Reply(e.code, e.read())
 
 
-def metric(text: str, name: str, labels: str = "") -> float | None:
-    """Sum of a metric's samples in Prometheus text (labels: a substring the label set must contain)."""
+def metric(text: str, name: str, labels: str = "") -> float:
+    """Sum of a metric's samples in Prometheus text (labels: a substring the label set must contain).
+
+    NaN when absent, so every comparison with a missing metric fails.
+    """
     total: float | None = None
     for line in text.splitlines():
         if line.startswith("#"):
@@ -73,7 +77,7 @@ def metric(text: str, name: str, labels: str = "") -> float | None:
         base = head.split("{", 1)[0]
         if base == name and labels in head:
             total = (total or 0.0) + float(value)
-    return total
+    return math.nan if total is None else total
 
 
 class LaunchedEngine:

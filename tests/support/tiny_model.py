@@ -41,18 +41,18 @@ def _write(out: Path) -> None:
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()  # type: ignore[assignment]
-    tok.pre_tokenizer = pre_tokenizers.Sequence([  # type: ignore[assignment]
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    tok.decoder = decoders.ByteLevel()
     # All 256 byte symbols are in the alphabet, so every text encodes and decodes back.
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 4096
     fast.save_pretrained(str(out))
@@ -64,7 +64,7 @@ def _write(out: Path) -> None:
         eos_token_id=SPECIALS.index("<|im_end|>"),
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.float16)
+    model = Qwen2ForCausalLM(cfg).to(torch.float16)  # type: ignore[no-untyped-call,arg-type]
     model.save_pretrained(str(out))
 
 

