@@ -68,7 +68,9 @@ def test_first_pass_creates_children_second_pass_writes_nothing(
 
     for kind in ("deployment", "service", "configmap", "poddisruptionbudget"):
         name = "qwen-engine" if kind == "configmap" else "qwen"
-        child = json.loads(control_plane.kubectl("get", kind, name, "-n", k8s_namespace, "-o", "json").stdout)
+        child = json.loads(
+            control_plane.kubectl("get", kind, name, "-n", k8s_namespace, "-o", "json", "--show-managed-fields").stdout
+        )
         owners = child["metadata"]["ownerReferences"]
         assert owners[0]["uid"] == body["metadata"]["uid"] and owners[0]["controller"] is True
         fields = {m["manager"] for m in child["metadata"]["managedFields"]}
