@@ -116,10 +116,42 @@ def wait_for(what: str, check: Any, timeout: float = 60, interval: float = 0.25)
     while time.monotonic() < deadline:
         try:
             last = check()
-        except (AssertionError, KeyError, IndexError, ValueError) as exc:  # not there yet
+        except (AssertionError, KeyError, IndexError, ValueError, subprocess.CalledProcessError) as exc:  # not yet
             last = exc
         else:
             if last:
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
+
+
+def create_model_volume(cp: ControlPlane, namespace: str, claim: str, size: str = "20Gi") -> None:
+    """A bound PVC for `claim` (a static hostPath PV): the scheduler places no pod whose claim is unbound."""
+    pv_name = f"{namespace}-{claim}"[:63]
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv_name},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": f"/models/{claim}"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "volumeName": pv_name,
+                "resources": {"requests": {"storage": size}},
+            },
+        },
+    ]
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from e2e.cluster import ControlPlane
-from e2e.operator_run import get_json, wait_for
+from e2e.operator_run import create_model_volume, get_json, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +72,8 @@ def test_examples_reconcile_into_scheduled_t4_pods(
                 ns,
                 f"--from-literal={ref.get('key', 'api-key')}=test-key",
             )
+        if doc["kind"] == "FlashModel" and doc["spec"]["model"].get("pvc"):
+            create_model_volume(control_plane, ns, doc["spec"]["model"]["pvc"]["claimName"])
         doc.setdefault("metadata", {}).pop("namespace", None)
         _apply(control_plane, ns, doc)
 
@@ -125,6 +127,7 @@ def test_scale_edit_delete_lifecycle(control_plane: ControlPlane, operator: Path
     # ready or prewarmed, and status must say exactly that.
     unattended = {"metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}}}
     spec = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 1, "podTemplatePatch": unattended}
+    create_model_volume(control_plane, ns, "models")
     _apply(control_plane, ns, _fm(name, spec))
     wait_for("Deployment", lambda: get_json(control_plane, "deployment", name, "-n", ns))
 
