@@ -30,12 +30,13 @@ import resource
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 
+T = TypeVar("T")
 Api = Literal["completions", "chat"]
 Variant = Literal["plain", "shared-prefix", "json"]
 PromptFormat = Literal["text", "ids"]
@@ -158,6 +159,9 @@ class RequestResult:
     e2e_s: float | None = None
     output_tokens: int = 0
     json_valid: bool | None = None
+    # The longest wait between two streamed chunks: a stall the reader sees, which TPOT (a mean)
+    # hides; a server that falls behind also coalesces tokens into bursts, which shows here.
+    max_gap_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -195,6 +199,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
         "mean_output_tokens": round(out_tokens / len(ok), 2) if ok else None,
         "mean_prompt_tokens": round(sum(r.prompt_tokens for r in results) / len(results), 2) if results else None,
         "send_lag_p99_ms": _ms(percentile(lag, 99)),
+        "max_gap_p99_ms": _ms(percentile([r.max_gap_s for r in ok if r.max_gap_s is not None], 99)),
     }
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         for q in (50, 90, 99):
@@ -480,6 +485,7 @@ async def send_one(
     text_parts: list[str] = []
     chunks = 0
     usage_tokens: int | None = None
+    last = start
     try:
         async with session.post(
             target.base_url + path,
@@ -504,8 +510,12 @@ async def send_one(
                     return res
                 piece, n = chunk_tokens(chunk, workload.api)
                 if n:
+                    now = time.perf_counter()
                     if res.ttft_s is None:
-                        res.ttft_s = time.perf_counter() - start
+                        res.ttft_s = now - start
+                    else:
+                        res.max_gap_s = max(res.max_gap_s or 0.0, now - last)
+                    last = now
                     chunks += n
                     text_parts.append(piece)
                 usage = chunk.get("usage")
@@ -530,6 +540,17 @@ async def send_one(
     except ValueError as e:
         res.error = f"bad_stream: {e}"
     return res
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop where it is installed: at a few hundred requests per second the
+    event loop's per-chunk cost decides whether the generator keeps its schedule (send lag)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def raise_fd_limit() -> int:
@@ -774,6 +795,7 @@ COLUMNS = (
     ("tpot99", 7),
     ("e2e50", 8),
     ("e2e99", 8),
+    ("gap99", 7),
 )
 
 
@@ -796,6 +818,7 @@ def table_row(label: str, mode: str, level: float | int, s: dict[str, Any]) -> s
         f(s["tpot_p99_ms"], 2),
         f(s["e2e_p50_ms"]),
         f(s["e2e_p99_ms"]),
+        f(s["max_gap_p99_ms"]),
     ]
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True)))
 
@@ -1015,7 +1038,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        out = asyncio.run(main_async(args))
+        out = run_async(main_async(args))
     except (ValueError, RuntimeError, aiohttp.ClientError) as e:
         log("failed", error=type(e).__name__, message=str(e).replace("\n", " "))
         print(f"loadgen: {e}", file=sys.stderr)

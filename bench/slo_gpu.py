@@ -446,7 +446,7 @@ def run_case(case: Case, env: Env) -> dict[str, Any]:
         probes: dict[str, Any] = {}
         measured: dict[str, Any] = {}
         try:
-            asyncio.run(
+            loadgen.run_async(
                 _measure_with_probes(url, shim_url if case.kind == "launcher" else None, case, env, probes, measured)
             )
         finally:
@@ -562,6 +562,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "tpot_p50_ms_at_max": at.get("tpot_p50_ms"),
                 "tpot_p99_ms_at_max": at.get("tpot_p99_ms"),
                 "send_lag_p99_ms": at.get("send_lag_p99_ms"),
+                "max_gap_p99_ms_at_max": at.get("max_gap_p99_ms"),
                 "tpot_p50_ms_c1": _get(r, "next10", "summary", "tpot_p50_ms"),
                 "first_ttft_ms": (_get(r, "first10", "ttft_ms") or [None])[0],
                 "first10_ttft_p50_ms": _get(r, "first10", "summary", "ttft_p50_ms"),
@@ -590,6 +591,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "next10_ttft_p50_ms",
         "gpu_memory_used_mib",
         "kv_cache_tokens",
+        "max_gap_p99_ms_at_max",
         "send_lag_p99_ms",
         "error",
     ]

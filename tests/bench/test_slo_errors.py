@@ -49,6 +49,14 @@ async def handler(request: web.Request) -> web.StreamResponse:
             [_tok(" a"), _tok(" b"), _tok(" c"), {"choices": [], "usage": {"completion_tokens": 3}}],
             first_delay=0.2,
         )
+    if mode == "stall":
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, pause in enumerate((0.0, 0.05, 0.3, 0.05)):
+            await asyncio.sleep(pause)
+            await resp.write(b"data: " + json.dumps(_tok(f" w{i}")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
     if mode == "http-500":
         return web.json_response({"error": {"message": "boom"}}, status=500)
     if mode == "no-tokens":
@@ -97,6 +105,7 @@ async def test_a_good_stream_is_timed_from_the_first_token(fake_server: str) -> 
     assert r.ttft_s is not None and r.ttft_s >= 0.19
     assert r.output_tokens == 3  # from usage, not guessed
     assert r.e2e_s is not None and r.e2e_s >= r.ttft_s
+    assert r.max_gap_s is not None and r.max_gap_s < 0.1  # the three chunks came together
     assert seen[0]["stream"] is True
 
 
@@ -113,6 +122,14 @@ async def test_failures_are_errors_with_a_reason(fake_server: str, mode: str, ki
     r = await _one(fake_server, mode)
     assert not r.ok
     assert r.error is not None and r.error.startswith(kind), r.error
+
+
+async def test_a_stall_mid_stream_is_measured(fake_server: str) -> None:
+    r = await _one(fake_server, "stall")
+    assert r.ok and r.output_tokens == 4
+    assert r.max_gap_s is not None and 0.28 <= r.max_gap_s < 0.6
+    s = loadgen.summarize([r], 1.0)
+    assert s["max_gap_p99_ms"] is not None and s["max_gap_p99_ms"] >= 280
 
 
 async def test_a_hung_request_times_out(fake_server: str) -> None:
