@@ -48,9 +48,32 @@ FLASHMODEL_RESYNC_SECONDS=10 "$VENV/bin/python" -m flashmodel_operator --all-nam
 OP_PID=$!
 log "event=operator-started pid=$OP_PID log=$WORK/operator.log"
 
-# The examples' API-key Secrets (a real install keeps them in a secret store).
-for secret in $(grep -ho 'name: [a-z0-9-]*-api-keys\?' examples/*.yaml | awk '{print $2}' | sort -u); do
+# What the examples refer to: their API-key Secrets and model volumes (static PVs here; a real
+# cluster has a storage class and a secret store).
+for secret in $(grep -h -A1 'apiKeySecretRef:' examples/*.yaml | awk '/name:/ {print $2}' | sort -u); do
   kubectl create secret generic "$secret" --from-literal=api-key="demo-$RANDOM" >/dev/null 2>&1 || true
+done
+for claim in $(grep -h 'claimName:' examples/*.yaml | awk '{print $2}' | sort -u); do
+  kubectl apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: demo-$claim}
+spec:
+  capacity: {storage: 20Gi}
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  hostPath: {path: /models/$claim}
+  claimRef: {namespace: default, name: $claim}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $claim, namespace: default}
+spec:
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  volumeName: demo-$claim
+  resources: {requests: {storage: 20Gi}}
+YAML
 done
 kubectl apply -f examples/
 sleep 8
