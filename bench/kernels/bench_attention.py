@@ -1,0 +1,506 @@
+"""Tile attention on the GPU machine: correctness at real shapes, then decode time against vLLM's
+Triton unified attention and FlashAttention-3 on the same inputs, in one run.
+
+    PYTHONPATH=/tmp/site:kernels python3 bench/kernels/bench_attention.py --out $OUT
+
+Writes ``bench_attention.json`` (every number) and prints a table. Bytes per decode call are the
+fewest the call must move: every cached K and V element once, the queries once, the output once.
+Each timed call reads its own copy of the inputs (rotated inside one CUDA graph), so calls whose
+inputs fit the 60 MB L2 together are not timed out of the cache where that can be avoided.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from flashmodel_kernels.paged_attention import paged_attention, plan_launch
+from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
+
+MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
+    "qwen2.5-1.5b": (12, 2, 128),
+    "qwen2.5-7b": (28, 4, 128),
+}
+BATCHES = [1, 4, 16, 32, 64, 128, 256]
+CONTEXTS = [512, 1024, 2048, 4096]
+ROTATION_BYTES = 256 * 1024 * 1024  # about 4x the H200's L2
+MAX_COPIES = 64
+
+Kernel = Callable[[int], None]  # runs the kernel on input copy i
+
+
+@dataclass
+class DecodeInputs:
+    keys: torch.Tensor  # [num_blocks, 16, kv_heads, head_dim]
+    values: torch.Tensor
+    queries: torch.Tensor  # [copies, batch, q_heads, head_dim]
+    outs: torch.Tensor  # [copies, batch, q_heads, head_dim]
+    tables: torch.Tensor  # [copies, batch, blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    context: int
+    copies: int
+
+
+@dataclass
+class DecodeRow:
+    model: str
+    batch: int
+    context: int
+    bytes: int
+    copies: int
+    us: dict[str, float] = field(default_factory=dict)
+    bandwidth_fraction: dict[str, float] = field(default_factory=dict)
+    rel_diff_vs_tile: dict[str, float] = field(default_factory=dict)
+    rel_err_vs_float64: dict[str, float] = field(default_factory=dict)
+    num_splits: int = 1
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def cuda_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy of 4 GiB, bytes read plus written over the median time, in B/s."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(12):
+        start, end = cuda_event(), cuda_event()
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return float(2 * (4 << 30) / statistics.median(times))
+
+
+def decode_inputs(
+    batch: int, context: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+) -> DecodeInputs:
+    q_heads, kv_heads, head_dim = shape
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
+    copies = max(1, min(MAX_COPIES, math.ceil(ROTATION_BYTES / kv_bytes)))
+    blocks_per_seq = math.ceil(context / 16)
+    num_blocks = copies * batch * blocks_per_seq
+    keys = torch.randn(num_blocks, 16, kv_heads, head_dim, device=device, dtype=dtype)
+    values = torch.randn(num_blocks, 16, kv_heads, head_dim, device=device, dtype=dtype)
+    # Pages scattered over the whole pool, as after hours of serving.
+    tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(copies, batch, blocks_per_seq)
+    queries = torch.randn(copies, batch, q_heads, head_dim, device=device, dtype=dtype)
+    return DecodeInputs(
+        keys=keys,
+        values=values,
+        queries=queries,
+        outs=torch.full_like(queries, float("nan")),
+        tables=tables.contiguous(),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        context=context,
+        copies=copies,
+    )
+
+
+def tile_kernel(x: DecodeInputs, scale: float) -> Kernel:
+    def run(i: int) -> None:
+        paged_attention(
+            x.queries[i],
+            x.keys,
+            x.values,
+            x.tables[i],
+            x.seq_lens,
+            x.query_start_loc,
+            max_query_len=1,
+            max_seq_len=x.context,
+            scale=scale,
+            out=x.outs[i],
+        )
+
+    return run
+
+
+def vllm_triton_kernel(x: DecodeInputs, scale: float) -> Kernel:
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    batch, q_heads, head_dim = x.queries.shape[1:]
+    kv_heads = x.keys.shape[2]
+    # What vLLM's TritonAttentionMetadataBuilder allocates in eager mode (the T4 profile).
+    threshold = 128 // kv_heads
+    segments = 16
+    pad = 1 << (head_dim - 1).bit_length()
+    dev = x.keys.device
+    seg_out = torch.empty(threshold, q_heads, segments, pad, dtype=torch.float32, device=dev)
+    seg_max = torch.empty(threshold, q_heads, segments, dtype=torch.float32, device=dev)
+    seg_sum = torch.empty(threshold, q_heads, segments, dtype=torch.float32, device=dev)
+    descale = torch.ones((), dtype=torch.float32, device=dev).expand(batch, kv_heads)
+
+    def run(i: int) -> None:
+        unified_attention(
+            q=x.queries[i],
+            k=x.keys,
+            v=x.values,
+            out=x.outs[i],
+            cu_seqlens_q=x.query_start_loc,
+            max_seqlen_q=1,
+            seqused_k=x.seq_lens,
+            max_seqlen_k=x.context,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=x.tables[i],
+            softcap=0,
+            q_descale=None,
+            k_descale=descale,
+            v_descale=descale,
+            seq_threshold_3D=threshold,
+            num_par_softmax_segments=segments,
+            softmax_segm_output=seg_out,
+            softmax_segm_max=seg_max,
+            softmax_segm_expsum=seg_sum,
+        )
+
+    return run
+
+
+def fa3_kernel(x: DecodeInputs, scale: float) -> Kernel:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    def run(i: int) -> None:
+        flash_attn_varlen_func(
+            q=x.queries[i],
+            k=x.keys,
+            v=x.values,
+            out=x.outs[i],
+            cu_seqlens_q=x.query_start_loc,
+            max_seqlen_q=1,
+            seqused_k=x.seq_lens,
+            max_seqlen_k=x.context,
+            softmax_scale=scale,
+            causal=True,
+            block_table=x.tables[i],
+            fa_version=3,
+        )
+
+    return run
+
+
+def time_graph(run: Kernel, copies: int) -> float:
+    """Seconds per call: one CUDA graph of ``copies`` calls (one per input copy), median replay."""
+    for i in range(copies):
+        run(i)  # compile and warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        run(0)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(copies):
+                run(i)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    replays = max(3, min(50, int(2e4 / copies)))
+    samples = []
+    for _ in range(5):
+        start, end = cuda_event(), cuda_event()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / replays / copies)
+    del graph
+    return float(statistics.median(samples))
+
+
+def decode_reference(x: DecodeInputs, scale: float, copy: int) -> torch.Tensor:
+    """Float64 attention of one copy's decode batch (all keys visible: one query per sequence)."""
+    q_heads = x.queries.shape[2]
+    group = q_heads // x.keys.shape[2]
+    pos = torch.arange(x.context, device=x.keys.device)
+    pages = x.tables[copy][:, pos // 16].long()  # [batch, context]
+    k = x.keys[pages, pos % 16].double().repeat_interleave(group, dim=2)  # [batch, ctx, heads, d]
+    v = x.values[pages, pos % 16].double().repeat_interleave(group, dim=2)
+    s = torch.einsum("bhd,bkhd->bhk", x.queries[copy].double(), k) * scale
+    return torch.einsum("bhk,bkhd->bhd", s.softmax(dim=-1), v)
+
+
+def bench_decode(device: torch.device, bandwidth: float, log: Callable[[str], None]) -> list[DecodeRow]:
+    rows: list[DecodeRow] = []
+    kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
+        "tile": tile_kernel,
+        "vllm_triton": vllm_triton_kernel,
+        "fa3": fa3_kernel,
+    }
+    for model, shape in MODELS.items():
+        q_heads, kv_heads, head_dim = shape
+        scale = head_dim**-0.5
+        for context in CONTEXTS:
+            for batch in BATCHES:
+                x = decode_inputs(batch, context, shape, torch.float16, device)
+                row = DecodeRow(
+                    model=model,
+                    batch=batch,
+                    context=context,
+                    copies=x.copies,
+                    bytes=batch * context * kv_heads * head_dim * 2 * 2 + 2 * batch * q_heads * head_dim * 2,
+                )
+                row.num_splits = plan_launch(
+                    num_seqs=batch,
+                    num_tokens=batch,
+                    max_query_len=1,
+                    max_seq_len=context,
+                    num_kv_heads=kv_heads,
+                    queries_per_kv=q_heads // kv_heads,
+                    head_dim=head_dim,
+                    multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count,
+                ).num_splits
+                small = batch * context <= 16 * 4096
+                ref = decode_reference(x, scale, 0) if small else None
+                tile_out: torch.Tensor | None = None
+                for name, make in kernels.items():
+                    try:
+                        x.outs.fill_(float("nan"))
+                        run = make(x, scale)
+                        seconds = time_graph(run, x.copies)
+                        if torch.isnan(x.outs).any():
+                            raise RuntimeError("output not fully written")
+                        row.us[name] = seconds * 1e6
+                        row.bandwidth_fraction[name] = row.bytes / seconds / bandwidth
+                        out0 = x.outs[0].clone()
+                        if name == "tile":
+                            tile_out = out0
+                        elif tile_out is not None:
+                            row.rel_diff_vs_tile[name] = relative_error(out0, tile_out)
+                        if ref is not None:
+                            row.rel_err_vs_float64[name] = relative_error(out0, ref)
+                    except Exception as exc:  # one failing baseline must not end the run
+                        row.errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append(row)
+                log(format_row(row))
+                del x
+                torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(row: DecodeRow) -> str:
+    def us(name: str) -> str:
+        return f"{row.us[name]:8.1f}" if name in row.us else "     n/a"
+
+    frac = row.bandwidth_fraction.get("tile", float("nan"))
+    vs_triton = row.us["vllm_triton"] / row.us["tile"] if {"tile", "vllm_triton"} <= row.us.keys() else float("nan")
+    vs_fa3 = row.us["fa3"] / row.us["tile"] if {"tile", "fa3"} <= row.us.keys() else float("nan")
+    return (
+        f"{row.model:13s} b={row.batch:4d} ctx={row.context:5d} splits={row.num_splits:2d} "
+        f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
+        f"tile_bw={frac:6.1%} triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
+        f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "
+        f"d_triton={row.rel_diff_vs_tile.get('vllm_triton', float('nan')):.1e} "
+        f"d_fa3={row.rel_diff_vs_tile.get('fa3', float('nan')):.1e}" + (f" errors={row.errors}" if row.errors else "")
+    )
+
+
+def correctness_real_shapes(device: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Mixed prefill/decode batches at the Qwen shapes, fp16 and bf16, against float64."""
+    results = []
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cases = [
+        ([1000, 1, 1, 517, 64], [0, 4000, 900, 1500, 37]),  # prompts, long decodes, chunked prefill
+        ([1] * 48, [int(n) for n in torch.randint(1, 4095, (48,), generator=gen)]),  # decode batch
+        ([1], [4095]),  # one long decode: splits
+    ]
+    for model, (q_heads, kv_heads, head_dim) in MODELS.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            for query_lens, context_lens in cases:
+                batch = random_paged_batch(
+                    query_lens,
+                    context_lens,
+                    num_q_heads=q_heads,
+                    num_kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    device=device,
+                    generator=gen,
+                )
+                out = torch.full_like(batch.query, float("nan"))
+                paged_attention(
+                    batch.query,
+                    batch.key_cache,
+                    batch.value_cache,
+                    batch.block_table,
+                    batch.seq_lens,
+                    batch.query_start_loc,
+                    max_query_len=batch.max_query_len,
+                    max_seq_len=batch.max_seq_len,
+                    scale=batch.scale,
+                    out=out,
+                )
+                torch.cuda.synchronize()
+                result = {
+                    "model": model,
+                    "dtype": str(dtype),
+                    "query_lens": query_lens[:6],
+                    "num_seqs": len(query_lens),
+                    "max_seq_len": batch.max_seq_len,
+                    "unwritten": int(torch.isnan(out).sum()),
+                    "rel_err_vs_float64": relative_error(out, reference_attention(batch)),
+                    "seed": gen.initial_seed(),
+                }
+                results.append(result)
+                log(f"correctness {json.dumps(result)}")
+    return results
+
+
+def prefill_runs(b: PagedBatch, out: torch.Tensor, kv_heads: int) -> dict[str, Callable[[], Any]]:
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    descale = torch.ones((), dtype=torch.float32, device=out.device).expand(b.seq_lens.shape[0], kv_heads)
+    n = b.max_query_len
+    return {
+        "tile": lambda: paged_attention(
+            b.query,
+            b.key_cache,
+            b.value_cache,
+            b.block_table,
+            b.seq_lens,
+            b.query_start_loc,
+            max_query_len=n,
+            max_seq_len=n,
+            scale=b.scale,
+            out=out,
+        ),
+        "vllm_triton": lambda: unified_attention(
+            q=b.query,
+            k=b.key_cache,
+            v=b.value_cache,
+            out=out,
+            cu_seqlens_q=b.query_start_loc,
+            max_seqlen_q=n,
+            seqused_k=b.seq_lens,
+            max_seqlen_k=n,
+            softmax_scale=b.scale,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=b.block_table,
+            softcap=0,
+            q_descale=None,
+            k_descale=descale,
+            v_descale=descale,
+        ),
+        "fa3": lambda: flash_attn_varlen_func(
+            q=b.query,
+            k=b.key_cache,
+            v=b.value_cache,
+            out=out,
+            cu_seqlens_q=b.query_start_loc,
+            max_seqlen_q=n,
+            seqused_k=b.seq_lens,
+            max_seqlen_k=n,
+            softmax_scale=b.scale,
+            causal=True,
+            block_table=b.block_table,
+            fa_version=3,
+        ),
+    }
+
+
+def bench_prefill(device: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Four 1024-token prompts in one batch (no cache yet): tile vs vLLM Triton vs FA3."""
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for model, (q_heads, kv_heads, head_dim) in MODELS.items():
+        b = random_paged_batch(
+            [1024] * 4,
+            [0] * 4,
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=torch.float16,
+            device=device,
+            generator=gen,
+            packed_kv=False,
+        )
+        runs = prefill_runs(b, torch.empty_like(b.query), kv_heads)
+        flops = 4 * 4 * (1024 * 1025 / 2) * q_heads * head_dim  # causal: QK^T and PV
+        row: dict[str, Any] = {"model": model, "prompts": 4, "prompt_len": 1024, "us": {}, "tflops": {}}
+        for name, fn in runs.items():
+            try:
+                import triton.testing
+
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row["us"][name] = ms * 1e3
+                row["tflops"][name] = flops / (ms / 1e3) / 1e12
+            except Exception as exc:
+                row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        log(f"prefill {json.dumps(row)}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--skip-decode", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+        import vllm
+
+        report["vllm"] = vllm.__version__
+    except Exception as exc:
+        report["import_error"] = repr(exc)
+    sections: list[tuple[str, Callable[[], Any]]] = [
+        ("copy_bandwidth_Bps", lambda: copy_bandwidth(device)),
+        ("correctness", lambda: correctness_real_shapes(device, log)),
+        ("prefill", lambda: bench_prefill(device, log)),
+    ]
+    if not args.skip_decode:
+        sections.append(
+            ("decode", lambda: [asdict(r) for r in bench_decode(device, report["copy_bandwidth_Bps"], log)])
+        )
+    for name, section in sections:
+        t0 = time.time()
+        try:
+            report[name] = section()
+        except Exception:
+            report[f"{name}_error"] = traceback.format_exc()[-3000:]
+            log(f"section {name} failed: {report[f'{name}_error']}")
+        log(f"section {name} took {time.time() - t0:.1f}s")
+        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    log(f"copy bandwidth {report.get('copy_bandwidth_Bps', float('nan')) / 1e12:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
