@@ -97,6 +97,7 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "pods/status"): {"patch"},
     ("", "pods/eviction"): {"create"},
+    ("discovery.k8s.io", "endpointslices"): {"list"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
