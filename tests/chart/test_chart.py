@@ -168,15 +168,14 @@ def test_values_schema_closes_every_declared_object() -> None:
     assert list(_closed_objects(_schema())) == []
 
 
-def _leaf_paths(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> Iterator[str]:
-    """Dotted paths of the values the schema declares as leaves (free-form objects count as leaves)."""
+def _declared_paths(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    """Dotted paths of the keys the schema declares (inside free-form objects nothing is declared)."""
     for key, value in values.items():
         node = schema["properties"][key]
         path = f"{prefix}{key}"
+        yield path
         if isinstance(value, dict) and "properties" in node:
-            yield from _leaf_paths(value, node, path + ".")
-        else:
-            yield path
+            yield from _declared_paths(value, node, path + ".")
 
 
 def _documented_paths(text: str) -> set[str]:
@@ -200,8 +199,8 @@ def _documented_paths(text: str) -> set[str]:
 
 
 def test_every_value_is_documented_on_the_line_above() -> None:
-    leaves = set(_leaf_paths(_values(), _schema()))
-    undocumented = leaves - _documented_paths((CHART / "values.yaml").read_text())
+    declared = set(_declared_paths(_values(), _schema()))
+    undocumented = declared - _documented_paths((CHART / "values.yaml").read_text())
     assert not undocumented, f"values without a comment on the line above: {sorted(undocumented)}"
 
 
