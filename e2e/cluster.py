@@ -25,9 +25,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 log = logging.getLogger("flashmodel.e2e.cluster")
 
@@ -573,12 +576,13 @@ class ControlPlane:
             raise CommandError(proc.returncode, argv, proc.stdout, proc.stderr)
         return proc
 
-    def api_client(self) -> Any:
+    def api_client(self) -> ApiClient:
         """A kubernetes.client.ApiClient for this control plane (the caller closes it)."""
         from kubernetes import config  # imported here so the module loads without the client
 
-        # The kubernetes package ships without annotations.
-        return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
+        # kubernetes.config has no annotations (kubernetes.client has).
+        api: ApiClient = config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
+        return api
 
     def create_namespace(self, prefix: str = "e2e", timeout: float = 60) -> str:
         """Creates a namespace named prefix-<random> and returns once its default ServiceAccount exists."""

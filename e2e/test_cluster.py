@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes import client
 
 from e2e.cluster import (
     KWOK_TOLERATION,
@@ -69,13 +70,34 @@ def test_components_report_the_built_versions(control_plane: ControlPlane) -> No
 
 
 def test_t4_nodes_are_ready_with_gpu_allocatable(control_plane: ControlPlane) -> None:
-    nodes = get_json(control_plane, "nodes", "-l", f"nvidia.com/gpu.product={T4_PRODUCT}")["items"]
+    # Through the Python client, the way the operator sees nodes.
+    with control_plane.api_client() as api:
+        nodes = client.CoreV1Api(api).list_node(label_selector=f"nvidia.com/gpu.product={T4_PRODUCT}").items
     assert len(nodes) >= 2
     for node in nodes:
-        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
-        assert ready == "True", node["metadata"]["name"]
-        assert int(node["status"]["allocatable"]["nvidia.com/gpu"]) >= 1
-        assert node["metadata"]["labels"]["kubernetes.io/os"] == "linux"
+        assert node.metadata is not None and node.status is not None
+        ready = {c.type: c.status for c in node.status.conditions or []}.get("Ready")
+        assert ready == "True", node.metadata.name
+        assert int((node.status.allocatable or {})["nvidia.com/gpu"]) >= 1
+        assert (node.metadata.labels or {})["kubernetes.io/os"] == "linux"
+
+
+def test_helm_installs_a_chart_into_the_cluster(
+    control_plane: ControlPlane, k8s_namespace: str, tmp_path: Path
+) -> None:
+    chart = tmp_path / "probe"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("greeting: hello\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: '{{ .Release.Name }}-probe'}\n"
+        "data: {greeting: '{{ .Values.greeting }}'}\n"
+    )
+    control_plane.helm("lint", str(chart))
+    control_plane.helm("install", "p1", str(chart), "-n", k8s_namespace, "--set", "greeting=hi", "--wait")
+    cm = get_json(control_plane, "configmap", "p1-probe", "-n", k8s_namespace)
+    assert cm["data"] == {"greeting": "hi"}
+    assert "p1" in control_plane.helm("list", "-n", k8s_namespace, "-q").stdout.split()
 
 
 def test_gpu_deployment_is_scheduled_onto_t4_nodes_and_runs(control_plane: ControlPlane, k8s_namespace: str) -> None:
