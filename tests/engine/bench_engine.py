@@ -130,11 +130,12 @@ def main() -> None:
     # readinessCacheSeconds 0: every /readyz does its real check, so the numbers are the probe's cost.
     health = {"readinessDeadlineSeconds": 5, "readinessCacheSeconds": 0, "startupTimeoutSeconds": 400}
     with tempfile.TemporaryDirectory() as d:
-        with launched(Path(d) / "a" if (Path(d) / "a").mkdir() is None else Path(d),
-                      engine_config(model, health=health), ["--no-prewarm-on-start"]) as a:
+        work_a, work_b = Path(d) / "a", Path(d) / "b"
+        work_a.mkdir()
+        work_b.mkdir()
+        with launched(work_a, engine_config(model, health=health), ["--no-prewarm-on-start"]) as a:
             results["a"] = asyncio.run(run_a(a, args.probes))
-        with launched(Path(d) / "b" if (Path(d) / "b").mkdir() is None else Path(d),
-                      engine_config(model, health=health)) as b:
+        with launched(work_b, engine_config(model, health=health)) as b:
             results["b"] = asyncio.run(run_b(b))
     results["first_ttft_ratio_without_over_with_prewarm"] = round(
         results["a"]["first_ttft_ms_without_prewarm"] / results["b"]["first_ttft_ms_after_prewarm"], 1)
