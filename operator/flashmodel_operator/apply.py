@@ -49,7 +49,10 @@ def contains(live: Any, desired: Any) -> bool:
     (a port as int or string), so scalars compare by their text.
     """
     if isinstance(desired, dict):
-        return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in desired.items())
+        # The API server drops empty maps and lists, so an empty desired value matches an absent one.
+        return isinstance(live, dict) and all(
+            contains(live[k], v) if k in live else v in ({}, []) for k, v in desired.items()
+        )
     if isinstance(desired, list):
         return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
     if isinstance(desired, bool) or isinstance(live, bool):

@@ -143,8 +143,8 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     health = spec.health
 
     resources: dict[str, Any] = copy.deepcopy(spec.resources)
-    limits = resources.setdefault("limits", {})
     for resource, amount in profile.limits.items():
+        limits = resources.setdefault("limits", {})
         limits.setdefault(resource, amount)
         # Extended resources must have requests equal to limits.
         resources.setdefault("requests", {})[resource] = limits[resource]

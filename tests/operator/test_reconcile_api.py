@@ -52,10 +52,21 @@ def _get(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
 SPEC = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 2}
 
 
+CPU_SPEC = {
+    "model": {"hub": {"id": "/models/tiny"}, "servedName": "tiny"},
+    "accelerator": "cpu",
+    "engine": {"blockSize": 32, "dtype": "float32", "maxModelLen": 512, "maxNumBatchedTokens": 512},
+    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+    "podTemplatePatch": {"spec": {"terminationGracePeriodSeconds": 20}},
+    "replicas": 2,
+}
+
+
+@pytest.mark.parametrize("spec", [SPEC, CPU_SPEC], ids=["t4-pvc", "cpu-hub-patched"])
 def test_first_pass_creates_children_second_pass_writes_nothing(
-    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster, spec: dict[str, Any]
 ) -> None:
-    body = _create(control_plane, k8s_namespace, "qwen", SPEC)
+    body = _create(control_plane, k8s_namespace, "qwen", spec)
     first = reconcile(cluster, body)
     assert set(first.applied.values()) == {"created"}
     assert sorted(first.applied) == [
@@ -86,7 +97,8 @@ def test_first_pass_creates_children_second_pass_writes_nothing(
 
     status = _get(control_plane, k8s_namespace, "qwen")["status"]
     assert status["observedGeneration"] == 1
-    assert status["engineArgs"][status["engineArgs"].index("--block-size") + 1] == "16"
+    block = "32" if spec is CPU_SPEC else "16"
+    assert status["engineArgs"][status["engineArgs"].index("--block-size") + 1] == block
     assert status["selector"] == "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=flashmodel-engine"
     assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
     assert all(c["observedGeneration"] == 1 for c in status["conditions"])
