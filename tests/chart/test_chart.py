@@ -386,7 +386,7 @@ def test_service_monitor_is_off_by_default_and_needs_metrics() -> None:
     service = one(docs, "Service")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     c = container(docs)
-    assert {"name": "FLASHMODEL_METRICS_PORT", "value": "9090"} in c["env"]
+    assert {"name": "FLASHMODEL_METRICS_PORT", "value": "8090"} in c["env"]
     proc = helm(
         "template",
         "fm",
