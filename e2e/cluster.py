@@ -253,6 +253,16 @@ def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
         return False
 
 
+def _etcd_member_is(url: str, member: str) -> bool:
+    req = urllib.request.Request(f"{url}/v3/cluster/member/list", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            members = json.loads(resp.read()).get("members", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return [m.get("name") for m in members] == [member]
+
+
 @dataclass
 class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok on loopback.
@@ -324,7 +334,20 @@ class ControlPlane:
         atexit.register(self.stop)
         (self.dir / "logs").mkdir(exist_ok=True)
         try:
-            self._start()
+            for attempt in range(1, 4):
+                try:
+                    self._start()
+                    break
+                except ControlPlaneError as e:
+                    # A free port can be taken by someone else's socket between picking and binding
+                    # (other test sessions run control planes on this machine too): pick again.
+                    if "address already in use" not in str(e) or attempt == 3:
+                        raise
+                    log.warning("event=port-taken attempt=%d error=%s", attempt, str(e).splitlines()[0])
+                    self._terminate_components()
+                    self.components.clear()
+                    subprocess.run(["rm", "-rf", str(self.dir / "etcd")], check=False)
+                    self.ports = Ports.allocate()
         except BaseException:
             self.stop()
             raise
@@ -340,17 +363,20 @@ class ControlPlane:
         b = self.bin_dir
         base_env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
 
+        # A unique member name lets the readiness check tell our etcd from another one that won
+        # the port race: pointing our apiserver at someone else's etcd would mix two clusters.
+        member = f"flashmodel-{secrets.token_hex(4)}"
         etcd = self._component(
             "etcd",
             [
                 str(b / "etcd"),
-                "--name=flashmodel",
+                f"--name={member}",
                 f"--data-dir={self.dir / 'etcd'}",
                 f"--listen-client-urls=http://127.0.0.1:{p.etcd_client}",
                 f"--advertise-client-urls=http://127.0.0.1:{p.etcd_client}",
                 f"--listen-peer-urls=http://127.0.0.1:{p.etcd_peer}",
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{p.etcd_peer}",
-                f"--initial-cluster=flashmodel=http://127.0.0.1:{p.etcd_peer}",
+                f"--initial-cluster={member}=http://127.0.0.1:{p.etcd_peer}",
                 # Test data is disposable; fsync dominates write latency on CI disks.
                 "--unsafe-no-fsync=true",
                 "--log-level=warn",
@@ -358,8 +384,8 @@ class ControlPlane:
         )
         etcd.start(base_env)
         wait_until(
-            "etcd /health",
-            lambda: _http_ok(f"http://127.0.0.1:{p.etcd_client}/health"),
+            f"etcd member {member}",
+            lambda: _etcd_member_is(f"http://127.0.0.1:{p.etcd_client}", member),
             self.start_timeout,
             etcd.check_alive,
         )
@@ -475,7 +501,7 @@ class ControlPlane:
             self.start_timeout,
             self.check_alive,
         )
-        kwok.check_alive()
+        self.check_alive()
         self._write_state()
 
     def _component(self, name: str, argv: list[str]) -> Component:
@@ -494,6 +520,16 @@ class ControlPlane:
             if self._stopped:
                 return
             self._stopped = True
+        self._terminate_components()
+        with contextlib.suppress(OSError):
+            (self.dir / "state.json").unlink()
+        atexit.unregister(self.stop)
+        log.info("event=control-plane-stopped dir=%s", self.dir)
+        if self._owns_workdir and os.environ.get("FLASHMODEL_KEEP_CLUSTER_DIR") != "1":
+            subprocess.run(["rm", "-rf", str(self.dir)], check=False)
+
+    def _terminate_components(self) -> None:
+        # Clients first so the apiserver has no watches to drain, etcd last so the apiserver can flush.
         by_name = {c.name: c for c in self.components}
         waves = [["kwok", "kube-scheduler", "kube-controller-manager"], ["kube-apiserver"], ["etcd"]]
         for wave in waves:
@@ -505,12 +541,6 @@ class ControlPlane:
                     log.warning("component=%s event=kill reason=sigterm-timeout", c.name)
                     c.signal_group(signal.SIGKILL)
                     c.wait_stopped(timeout=5)
-        with contextlib.suppress(OSError):
-            (self.dir / "state.json").unlink()
-        atexit.unregister(self.stop)
-        log.info("event=control-plane-stopped dir=%s", self.dir)
-        if self._owns_workdir and os.environ.get("FLASHMODEL_KEEP_CLUSTER_DIR") != "1":
-            subprocess.run(["rm", "-rf", str(self.dir)], check=False)
 
     # -- files -----------------------------------------------------------------------------
 
