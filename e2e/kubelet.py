@@ -3,8 +3,10 @@
 kwok schedules nothing and runs nothing; a pod annotated `kwok.x-k8s.io/status: custom` is
 left alone by it, and this process plays the kubelet for it, the way a node agent would:
 
-- gives the pod an IP of its own inside 127.0.0.0/8 (Linux routes all of it to loopback, so
-  the address stands in for the pod's network namespace) and binds the engine to it;
+- gives the pod a network namespace of its own (`ip netns`, a veth pair, a private address
+  that exists only inside this machine) and starts the engine inside it. Loopback addresses
+  cannot stand in for pod IPs: the API server refuses 127.0.0.0/8 in EndpointSlices, so a
+  Service would never route to such a pod (seen: "may not be in the loopback range");
 - starts `python -m flashmodel_engine launch` with the pod's ConfigMap and container env;
 - runs the startup and readiness probes against the shim and writes the pod status:
   ContainersReady from the probe, Ready = ContainersReady AND every readiness gate, exactly
@@ -36,8 +38,33 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 CUSTOM_STATUS = {"kwok.x-k8s.io/status": "custom"}
-# Apart from kwok's own 127.16.0.0/16, so the two never hand out the same address.
-IP_PREFIX = "127.20"
+# Pod n lives in 10.<X>.<n>.2/24 with the host end at .1; X is per kubelet process so that two
+# harnesses on one machine never hand out the same address.
+SUBNET_BASE = 200 + os.getpid() % 50
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def make_pod_network(n: int) -> tuple[str, str]:
+    """A network namespace with a veth pair to the host; returns (netns name, pod IP)."""
+    netns, host_if = f"fm{os.getpid()}-{n}", f"fmh{os.getpid() % 10000}x{n}"
+    host_ip, pod_ip = f"10.{SUBNET_BASE}.{n}.1", f"10.{SUBNET_BASE}.{n}.2"
+    _ip("netns", "add", netns)
+    _ip("link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", netns)
+    _ip("addr", "add", f"{host_ip}/24", "dev", host_if)
+    _ip("link", "set", host_if, "up")
+    _ip("-n", netns, "addr", "add", f"{pod_ip}/24", "dev", "eth0")
+    _ip("-n", netns, "link", "set", "eth0", "up")
+    _ip("-n", netns, "link", "set", "lo", "up")
+    _ip("-n", netns, "route", "add", "default", "via", host_ip)
+    return netns, pod_ip
+
+
+def remove_pod_network(netns: str) -> None:
+    # Deleting the namespace deletes its end of the veth pair, and with it the host end.
+    subprocess.run(["ip", "netns", "del", netns], check=False, capture_output=True)
 
 
 def _now() -> str:
@@ -51,6 +78,7 @@ class EnginePod:
     name: str
     uid: str
     ip: str
+    netns: str
     workdir: Path
     proc: subprocess.Popen[bytes]
     grace: float
@@ -102,7 +130,7 @@ class EngineKubelet:
         self.lock = threading.Lock()
         self._next_ip = 1
         # A pod keeps its IP and restart count across container restarts, as with a real kubelet.
-        self._ips: dict[str, str] = {}
+        self._networks: dict[str, tuple[str, str]] = {}
         self._restarts: dict[str, int] = {}
         self._backoff_until: dict[str, float] = {}
         self._stop = threading.Event()
@@ -117,6 +145,8 @@ class EngineKubelet:
         self._thread.join(timeout=30)
         for pod in list(self.pods.values()):
             self._kill(pod, grace=5)
+        for netns, _ in self._networks.values():
+            remove_pod_network(netns)
 
     # -- the sync loop ---------------------------------------------------------------------
 
@@ -170,16 +200,18 @@ class EngineKubelet:
             gone = [p for n, p in self.pods.items() if n not in seen]
         for pod in gone:
             self._kill(pod, grace=pod.grace)
+        for name in [n for n in self._networks if n not in seen]:
+            remove_pod_network(self._networks.pop(name)[0])
 
     # -- pod lifecycle ---------------------------------------------------------------------
 
     def _start(self, pod: dict[str, Any]) -> EnginePod:
         meta, spec = pod["metadata"], pod["spec"]
         name = meta["name"]
-        if name not in self._ips:
-            self._ips[name] = f"{IP_PREFIX}.{self._next_ip // 250}.{self._next_ip % 250 + 1}"
+        if name not in self._networks:
+            self._networks[name] = make_pod_network(self._next_ip)
             self._next_ip += 1
-        ip = self._ips[name]
+        netns, ip = self._networks[name]
         work = self.workdir / name
         work.mkdir(parents=True, exist_ok=True)
         container = spec["containers"][0]
@@ -210,7 +242,18 @@ class EngineKubelet:
         env["PYTHONPATH"] = os.pathsep.join(str(ROOT / p) for p in ("engine", "operator", "kernels", "."))
         log_file = (work / "engine.log").open("ab")
         proc = subprocess.Popen(
-            [self.python, "-m", "flashmodel_engine", "launch", "--config", str(work / "engine.yaml")],
+            [
+                "ip",
+                "netns",
+                "exec",
+                netns,
+                self.python,
+                "-m",
+                "flashmodel_engine",
+                "launch",
+                "--config",
+                str(work / "engine.yaml"),
+            ],
             env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
