@@ -54,12 +54,13 @@ class EngineSpec(_Spec):
     """vLLM settings; the accelerator profile decides which values are allowed."""
 
     image: str = "ghcr.io/flashmodel/engine:0.1.0"
-    block_size: int = 16
+    # No default here: the accelerator profile decides (16 on t4, 32 on cpu).
+    block_size: int | None = None
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
     max_model_len: int = 4096
     max_num_batched_tokens: int = 4096
-    dtype: Literal["float16", "bfloat16", "float32", "auto"] = "float16"
+    dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = None
     enforce_eager: bool = True
     attention_backend: Literal["triton", "tile", "auto"] = "triton"
     extra_args: list[str] = Field(default_factory=list)

@@ -199,6 +199,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
             "prewarmedReplicas": obs.prewarmed_replicas,
             "replicasSummary": f"{obs.ready_replicas}/{fm.spec.replicas}",
             "selector": selector_string(fm),
+            "servedName": fm.served_name,
             "endpoint": f"http://{name}.{ns}.svc:{ENGINE_PORT}/v1",
             "engineArgs": args,
         }

@@ -83,7 +83,7 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
     config: dict[str, Any] = {
         "accelerator": spec.accelerator,
         "model": {"path": model_path(fm), "servedName": fm.served_name},
-        "engine": spec.engine.model_dump(by_alias=True, exclude={"image"}),
+        "engine": spec.engine.model_dump(by_alias=True, exclude={"image"}, exclude_none=True),
         "prewarm": spec.prewarm.model_dump(by_alias=True),
         "health": spec.health.model_dump(by_alias=True),
         "remediation": spec.remediation.model_dump(by_alias=True),

@@ -293,6 +293,7 @@ def test_printer_columns_show_ready_replicas_accelerator_model(control_plane: Co
     status = {
         "status": {
             "replicasSummary": "2/3",
+            "servedName": "qwen",
             "conditions": [
                 {
                     "type": "Ready",
@@ -323,6 +324,7 @@ def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane
         "readyReplicas": 1,
         "prewarmedReplicas": 1,
         "replicasSummary": "1/1",
+        "servedName": "status-fields",
         "selector": "app.kubernetes.io/instance=status-fields",
         "endpoint": "http://status-fields.ns.svc:8000/v1",
         "engineArgs": ["--block-size", "16"],

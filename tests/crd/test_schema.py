@@ -72,7 +72,7 @@ def test_printer_columns() -> None:
         ("Ready", '.status.conditions[?(@.type=="Ready")].status'),
         ("Replicas", ".status.replicasSummary"),
         ("Accelerator", ".spec.accelerator"),
-        ("Model", ".spec.model.servedName"),
+        ("Model", ".status.servedName"),
         ("Age", ".metadata.creationTimestamp"),
     ]
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from flashmodel_operator.model import FlashModel
+from flashmodel_operator.reconcile import engine_args
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     PREWARM_GATE,
@@ -92,7 +93,10 @@ def test_engine_config_carries_auth_file_and_model_path() -> None:
     config = engine_config(FlashModel.from_body(FULL_T4))
     assert config["model"] == {"path": "/model-image/weights", "servedName": "qwen"}
     assert config["auth"] == {"apiKeyFile": "/etc/flashmodel/auth/api-key"}
-    assert config["engine"]["blockSize"] == 16
+    # The profile, not the spec, decides the block size: the launcher's own function says 16.
+    assert "blockSize" not in config["engine"]
+    args = engine_args(config)
+    assert args[args.index("--block-size") + 1] == "16" and args[args.index("--dtype") + 1] == "float16"
 
 
 def test_merge_patch_merges_named_lists_and_deletes_nulls() -> None:
