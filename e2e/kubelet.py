@@ -198,8 +198,8 @@ class EngineKubelet:
             self._probe_and_report(pod, running)
         with self.lock:
             gone = [p for n, p in self.pods.items() if n not in seen]
-        for pod in gone:
-            self._kill(pod, grace=pod.grace)
+        for engine_pod in gone:
+            self._kill(engine_pod, grace=engine_pod.grace)
         for name in [n for n in self._networks if n not in seen]:
             remove_pod_network(self._networks.pop(name)[0])
 
@@ -265,6 +265,7 @@ class EngineKubelet:
             name=name,
             uid=meta["uid"],
             ip=ip,
+            netns=netns,
             workdir=work,
             proc=proc,
             grace=grace,
