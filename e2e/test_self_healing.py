@@ -141,7 +141,7 @@ def _gate(pod: dict[str, Any]) -> bool:
 def _ready_model(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
     fm = get_json(cp, "flashmodel", MODEL, "-n", ns)
     status = fm.get("status") or {}
-    ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+    ready: dict[str, Any] = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
     pods = _pods(cp, ns)
     ok = ready.get("status") == "True" and len(pods) == replicas and all(_gate(p) for p in pods)
     return fm if ok else {}
@@ -203,7 +203,7 @@ def test_prewarm_gates_traffic_then_model_ready(
     # Until its prewarm succeeds, a pod's gate is not True, so it is not Ready and not an endpoint.
     for pod in _pods(control_plane, ns):
         if not _gate(pod):
-            ready = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "Ready"), {})
+            ready: dict[str, Any] = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "Ready"), {})
             assert ready.get("status") != "True"
     fm = wait_for(
         "FlashModel Ready with both pods prewarmed",

@@ -29,7 +29,7 @@ def crd(control_plane: ControlPlane) -> None:
 def cluster(control_plane: ControlPlane, crd: None) -> Iterator[Cluster]:
     api = control_plane.api_client()
     yield Cluster(api)
-    api.close()
+    api.close()  # type: ignore[no-untyped-call]
 
 
 def _create(cp: ControlPlane, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
