@@ -283,6 +283,15 @@ def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
             report.notes.append(f"device={device.name.replace(' ', '-')} sm={cc[0]}{cc[1]} "
                                 f"memory_gib={device.total_memory_bytes / GIB:.1f}")
 
+    if config.auth is not None:
+        key_file = Path(config.auth.api_key_file)
+        try:
+            if not key_file.read_text().strip():
+                report.failures.append(f"auth.apiKeyFile {key_file} is empty; put the API key in the Secret")
+        except OSError as e:
+            report.failures.append(f"auth.apiKeyFile {key_file} cannot be read ({e.strerror}); "
+                                   "mount the Secret named in spec.auth.apiKeySecretRef there")
+
     path = Path(model_dir) if model_dir is not None else Path(config.model.path)
     if not path.is_dir():
         if model_dir is None and "/" in config.model.path and not config.model.path.startswith("/"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -161,11 +162,24 @@ def test_unreadable_weights_as_the_pod_user(world_dir: Path) -> None:
     assert any("root-only-readable" in n and "model.safetensors" in n for n in report.notes)
 
 
+def test_missing_api_key_file(tiny_model: Path, tmp_path: Path) -> None:
+    cfg = parse_config({"accelerator": "cpu", "model": {"path": str(tiny_model), "servedName": "m"},
+                        "auth": {"apiKeyFile": str(tmp_path / "nope")}})
+    assert f"auth.apiKeyFile {tmp_path / 'nope'} cannot be read (No such file or directory)" in failures(
+        run_preflight(cfg))
+
+
+def _low_nofile() -> None:
+    # The common container default that breaks at ~50 concurrent connections.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+
+
 def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'engine'}:{REPO}",
                FLASHMODEL_TERMINATION_LOG=str(tmp_path / "termination-log"))
     return subprocess.run([sys.executable, "-m", "flashmodel_engine", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env=env, timeout=120, preexec_fn=_low_nofile)
 
 
 def test_preflight_cli_and_termination_message(model_copy: Path, tmp_path: Path) -> None:
@@ -175,6 +189,9 @@ def test_preflight_cli_and_termination_message(model_copy: Path, tmp_path: Path)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "event=preflight-done ok=true" in ok.stdout
     assert "safe_prompt_tokens=" in ok.stdout
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard > 1024:
+        assert f"open_files_soft_limit={hard} raised_from=1024" in ok.stdout
     edit_config(model_copy, max_position_embeddings=1024)
     bad = _cli(["preflight", "--config", str(cfg), "--model-dir", str(model_copy)], tmp_path)
     assert bad.returncode == 1
