@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from flashmodel_kernels.paged_attention import paged_attention, plan_launch
+from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, plan_launch
 from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
 
 MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
@@ -65,6 +65,7 @@ class DecodeRow:
     rel_err_vs_float64: dict[str, float] = field(default_factory=dict)
     num_splits: int = 1
     errors: dict[str, str] = field(default_factory=dict)
+    tile_us_by_splits: dict[int, float] = field(default_factory=dict)
 
 
 def cuda_event() -> torch.cuda.Event:
@@ -114,7 +115,7 @@ def decode_inputs(
     )
 
 
-def tile_kernel(x: DecodeInputs, scale: float) -> Kernel:
+def tile_kernel(x: DecodeInputs, scale: float, config: LaunchConfig | None = None) -> Kernel:
     def run(i: int) -> None:
         paged_attention(
             x.queries[i],
@@ -127,6 +128,7 @@ def tile_kernel(x: DecodeInputs, scale: float) -> Kernel:
             max_seq_len=x.context,
             scale=scale,
             out=x.outs[i],
+            config=config,
         )
 
     return run
@@ -240,7 +242,9 @@ def decode_reference(x: DecodeInputs, scale: float, copy: int) -> torch.Tensor:
     return torch.einsum("bhk,bkhd->bhd", s.softmax(dim=-1), v)
 
 
-def bench_decode(device: torch.device, bandwidth: float, log: Callable[[str], None]) -> list[DecodeRow]:
+def bench_decode(
+    device: torch.device, bandwidth: float, log: Callable[[str], None], sweep: bool = False
+) -> list[DecodeRow]:
     rows: list[DecodeRow] = []
     kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
         "tile": tile_kernel,
@@ -291,6 +295,25 @@ def bench_decode(device: torch.device, bandwidth: float, log: Callable[[str], No
                             row.rel_err_vs_float64[name] = relative_error(out0, ref)
                     except Exception as exc:  # one failing baseline must not end the run
                         row.errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+                if sweep:
+                    plan = plan_launch(
+                        num_seqs=batch,
+                        num_tokens=batch,
+                        max_query_len=1,
+                        max_seq_len=context,
+                        num_kv_heads=kv_heads,
+                        queries_per_kv=q_heads // kv_heads,
+                        head_dim=head_dim,
+                        multiprocessors=8,
+                    )
+                    for splits in (1, 2, 4, 8, 16, 32):
+                        if splits > 1 and context < 64 * splits:
+                            continue
+                        forced = LaunchConfig(plan.block_q, plan.block_n, splits)
+                        try:
+                            row.tile_us_by_splits[splits] = time_graph(tile_kernel(x, scale, forced), x.copies) * 1e6
+                        except Exception as exc:
+                            row.errors[f"tile_splits_{splits}"] = f"{type(exc).__name__}: {exc}"[:300]
                 rows.append(row)
                 log(format_row(row))
                 del x
@@ -457,6 +480,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time tile at 1..32 splits per shape")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
@@ -487,7 +511,7 @@ def main() -> None:
     ]
     if not args.skip_decode:
         sections.append(
-            ("decode", lambda: [asdict(r) for r in bench_decode(device, report["copy_bandwidth_Bps"], log)])
+            ("decode", lambda: [asdict(r) for r in bench_decode(device, report["copy_bandwidth_Bps"], log, args.sweep)])
         )
     for name, section in sections:
         t0 = time.time()

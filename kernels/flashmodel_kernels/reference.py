@@ -96,25 +96,26 @@ def random_paged_batch(
 
 
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
-    """Causal softmax attention in float64, ``[num_tokens, num_q_heads, head_dim]``."""
+    """Causal softmax attention in float64 on the inputs' device, ``[num_tokens, num_q_heads, head_dim]``."""
     num_q_heads = batch.query.shape[1]
     page_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.empty(batch.query.shape, dtype=torch.float64)
+    device = batch.query.device
+    out = torch.empty(batch.query.shape, dtype=torch.float64, device=device)
     table = batch.block_table.cpu()
-    k_all, v_all = batch.key_cache.cpu().double(), batch.value_cache.cpu().double()
-    q_all = batch.query.cpu().double()
     q_start = 0
     for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
         seq_len = q_len + ctx
         pos = torch.arange(seq_len)
-        pages = table[i, pos // page_size].long()
-        k = k_all[pages, pos % page_size].repeat_interleave(group, dim=1)  # [seq_len, heads, d]
-        v = v_all[pages, pos % page_size].repeat_interleave(group, dim=1)
-        q = q_all[q_start : q_start + q_len]  # [q_len, heads, d]
+        pages = table[i, pos // page_size].long().to(device)
+        slots = (pos % page_size).to(device)
+        k = batch.key_cache[pages, slots].double().repeat_interleave(group, dim=1)  # [seq_len, heads, d]
+        v = batch.value_cache[pages, slots].double().repeat_interleave(group, dim=1)
+        q = batch.query[q_start : q_start + q_len].double()  # [q_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
-        q_pos = ctx + torch.arange(q_len)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        q_pos = ctx + torch.arange(q_len, device=device)
+        causal = pos.to(device)[None, None, :] > q_pos[None, :, None]
+        scores = scores.masked_fill(causal, float("-inf"))
         out[q_start : q_start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
         q_start += q_len
     return out
