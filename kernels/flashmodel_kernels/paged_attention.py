@@ -33,9 +33,8 @@ __all__ = ["LaunchConfig", "paged_attention", "plan_launch"]
 PAGE_SIZE = 16
 """Tokens per KV-cache block: the T4 profile fixes vLLM's ``--block-size 16``."""
 
-MIN_TOKENS_PER_SPLIT = 64
-"""Keys per split at least: one decode tile. Small batches are latency-bound (each step waits on
-a page-table load, then the K/V gather), so short splits pay; the merge costs little."""
+MIN_TOKENS_PER_SPLIT = 256
+"""A split shorter than this spends more on its merge than it saves in parallelism."""
 
 MAX_SPLITS = 32
 
@@ -287,12 +286,10 @@ def plan_launch(
     q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     programs = q_tiles * num_kv_heads
     splits = 1
-    if programs < 2 * multiprocessors:
-        # Fewer than two programs per multiprocessor cannot hide memory latency: split the key
-        # range until there are about four. Powers of two, so every choice is one benchmarked.
+    target = 2 * multiprocessors
+    if programs < target:
         by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-        wanted = min(math.ceil(4 * multiprocessors / programs), by_length, MAX_SPLITS)
-        splits = 1 << (max(1, wanted).bit_length() - 1)
+        splits = max(1, min(math.ceil(target / programs), by_length, MAX_SPLITS))
     return LaunchConfig(block_q=block_q, block_n=block_n, num_splits=splits)
 
 
