@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -82,7 +82,8 @@ def missing_binaries(bin_dir: Path) -> list[str]:
     return [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (free now; a racing process can still take one)."""
     # Hold all sockets open until every port is chosen, so one call never returns a port twice.
     socks: list[socket.socket] = []
     try:
@@ -98,7 +99,8 @@ def _free_ports(n: int) -> list[int]:
 
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: if the test process is SIGKILLed, the kernel
-    # kills the component too, so a crashed pytest leaves no orphaned apiserver behind.
+    # kills the component too, so a crashed pytest leaves no orphaned apiserver behind. The
+    # signal fires when the *thread* that started the child exits: start from a long-lived thread.
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -227,7 +229,7 @@ class Ports:
     @classmethod
     def allocate(cls) -> Ports:
         """Picks free loopback ports for every component."""
-        return cls(*_free_ports(6))
+        return cls(*free_ports(6))
 
 
 def wait_until(
@@ -768,13 +770,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _up(workdir, args.nodes, args.gpus, not args.no_kwok_taint)
     down(args.dir.resolve())
     return 0
-
-
-@contextlib.contextmanager
-def running(bin_dir: Path | None = None) -> Iterator[ControlPlane]:
-    """A started ControlPlane (building the binaries if needed), stopped on exit."""
-    with ControlPlane(bin_dir or testbin_dir(build=True)) as cp:
-        yield cp
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from e2e.cluster import (
     POD_CIDR,
     T4_PRODUCT,
     ControlPlane,
-    _free_ports,
+    free_ports,
     wait_until,
 )
 
@@ -222,7 +222,7 @@ def http_server_at_pod_ip(control_plane: ControlPlane, k8s_namespace: str, tmp_p
     )
     ip = running_pods(control_plane, k8s_namespace, "app=engine-0", want=1)[0]["status"]["podIP"]
     (tmp_path / "hello.txt").write_text("served from the pod IP\n")
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     server = subprocess.Popen(
         [sys.executable, "-m", "http.server", "--bind", ip, str(port)],
         cwd=tmp_path,
