@@ -1,12 +1,19 @@
 """Tile attention on the GPU machine: correctness at real shapes, then decode time against vLLM's
 Triton unified attention and FlashAttention-3 on the same inputs, in one run.
 
-    PYTHONPATH=/tmp/site:kernels python3 bench/kernels/bench_attention.py --out $OUT
+    PYTHONPATH=/tmp/site:kernels python3 bench/kernels/bench_attention.py --out $OUT [--sweep]
 
-Writes ``bench_attention.json`` (every number) and prints a table. Bytes per decode call are the
-fewest the call must move: every cached K and V element once, the queries once, the output once.
-Each timed call reads its own copy of the inputs (rotated inside one CUDA graph), so calls whose
-inputs fit the 60 MB L2 together are not timed out of the cache where that can be avoided.
+Writes ``bench_attention.json`` (every number; rewritten after each decode shape, so a run cut
+short keeps what it measured) and prints a table. Bytes per decode call are the fewest the call
+must move: every cached K and V element once, the queries once, the output once. Each timed call
+reads its own copy of the inputs (rotated inside one CUDA graph), so calls whose inputs fit the
+60 MB L2 together are not timed out of the cache where that can be avoided.
+
+``--sweep`` also times tile at other (splits, block_n) configs on the same inputs: first every
+config some rule of ``fit_splits.CANDIDATE_GRID`` picks (so ``fit_splits.py`` compares rules on
+measurements only), then power-of-two split counts, then smaller key tiles at batch <= 64; the
+last two tiers stop once ``--sweep-budget-s`` is spent. Each sweep output is checked fully
+written and compared with the default tile output.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, plan_launch
+from fit_splits import CANDIDATE_GRID, Shape, plan_config
+from fit_splits import plan as plan_rule
+from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention
 from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
 
 MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
@@ -35,6 +44,9 @@ BATCHES = [1, 4, 16, 32, 64, 128, 256]
 CONTEXTS = [512, 1024, 2048, 4096]
 ROTATION_BYTES = 256 * 1024 * 1024  # about 4x the H200's L2
 MAX_COPIES = 64
+SAMPLE_SECONDS = 2e-3  # GPU time per timing sample (whole graph replays); the median of 5 is kept
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)
+SWEEP_SMALL_BLOCK_N = (16, 32)
 
 Kernel = Callable[[int], None]  # runs the kernel on input copy i
 
@@ -57,6 +69,9 @@ class DecodeRow:
     model: str
     batch: int
     context: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
     bytes: int
     copies: int
     us: dict[str, float] = field(default_factory=dict)
@@ -64,8 +79,11 @@ class DecodeRow:
     rel_diff_vs_tile: dict[str, float] = field(default_factory=dict)
     rel_err_vs_float64: dict[str, float] = field(default_factory=dict)
     num_splits: int = 1
+    plan: dict[str, int] = field(default_factory=dict)
+    """plan_launch's config on this device (``tile`` above ran with it)."""
     errors: dict[str, str] = field(default_factory=dict)
-    tile_us_by_splits: dict[int, float] = field(default_factory=dict)
+    tile_sweep: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per timed config: splits, block_n, us, tier, rel_diff_vs_tile."""
 
 
 def cuda_event() -> torch.cuda.Event:
@@ -200,9 +218,12 @@ def fa3_kernel(x: DecodeInputs, scale: float) -> Kernel:
 
 
 def time_graph(run: Kernel, copies: int) -> float:
-    """Seconds per call: one CUDA graph of ``copies`` calls (one per input copy), median replay."""
-    for i in range(copies):
-        run(i)  # compile and warm
+    """Seconds per call: one CUDA graph of ``copies`` calls (one per input copy), median of 5 samples.
+
+    A sample replays the graph enough times to cover ``SAMPLE_SECONDS`` of GPU time (2 to 50
+    replays), so a sweep of hundreds of configs spends its time on the GPU, not in Python.
+    """
+    run(0)  # compile and warm
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -215,8 +236,12 @@ def time_graph(run: Kernel, copies: int) -> float:
     torch.cuda.synchronize()
     for _ in range(3):
         graph.replay()
-    torch.cuda.synchronize()
-    replays = max(3, min(50, int(2e4 / copies)))
+    start, end = cuda_event(), cuda_event()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(2, min(50, math.ceil(SAMPLE_SECONDS / max(start.elapsed_time(end) / 1e3, 1e-7))))
     samples = []
     for _ in range(5):
         start, end = cuda_event(), cuda_event()
@@ -242,38 +267,69 @@ def decode_reference(x: DecodeInputs, scale: float, copy: int) -> torch.Tensor:
     return torch.einsum("bhk,bkhd->bhd", s.softmax(dim=-1), v)
 
 
+def sweep_configs(shape: Shape, plan: LaunchConfig) -> list[tuple[int, int, int]]:
+    """(splits, block_n, tier) to time beyond the main run, most wanted first, without repeats.
+
+    Tier 0: what the rule in use and every rule of CANDIDATE_GRID pick (never skipped: the fit
+    must find each pick measured). Tier 1: power-of-two split counts at the planned block_n. Tier 2:
+    smaller key tiles at power-of-two splits where batches are small enough to be latency-bound.
+    Splits of less than one 16-token page, or beyond 16 programs per SM, are not timed.
+    """
+    planned = (plan.num_splits, plan.block_n)
+    tier0 = {planned} | {plan_rule(shape, rule) for rule in CANDIDATE_GRID}
+    sane = [
+        s
+        for s in SWEEP_SPLITS
+        if s == 1 or (shape.context // s >= 16 and s * shape.programs <= 16 * shape.multiprocessors)
+    ]
+    tier1 = [(s, plan.block_n) for s in sane]
+    tier2 = [(s, n) for s in sane for n in SWEEP_SMALL_BLOCK_N if shape.batch <= 64 and n < plan.block_n]
+    ordered: list[tuple[int, int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    for tier, configs in enumerate((sorted(tier0), tier1, tier2)):
+        for cfg in configs:
+            if cfg not in seen:
+                seen.add(cfg)
+                ordered.append((cfg[0], cfg[1], tier))
+    return ordered
+
+
 def bench_decode(
-    device: torch.device, bandwidth: float, log: Callable[[str], None], sweep: bool = False
-) -> list[DecodeRow]:
-    rows: list[DecodeRow] = []
+    device: torch.device,
+    bandwidth: float,
+    log: Callable[[str], None],
+    save: Callable[[list[dict[str, Any]]], None],
+    sweep: bool = False,
+    sweep_budget_s: float = float("inf"),
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
         "tile": tile_kernel,
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
-    for model, shape in MODELS.items():
-        q_heads, kv_heads, head_dim = shape
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    t0 = time.time()
+    budget_logged = False
+    for model, (q_heads, kv_heads, head_dim) in MODELS.items():
         scale = head_dim**-0.5
         for context in CONTEXTS:
             for batch in BATCHES:
-                x = decode_inputs(batch, context, shape, torch.float16, device)
+                x = decode_inputs(batch, context, (q_heads, kv_heads, head_dim), torch.float16, device)
+                shape = Shape(model, batch, context, q_heads, kv_heads, head_dim, multiprocessors)
                 row = DecodeRow(
                     model=model,
                     batch=batch,
                     context=context,
+                    q_heads=q_heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
                     copies=x.copies,
                     bytes=batch * context * kv_heads * head_dim * 2 * 2 + 2 * batch * q_heads * head_dim * 2,
                 )
-                row.num_splits = plan_launch(
-                    num_seqs=batch,
-                    num_tokens=batch,
-                    max_query_len=1,
-                    max_seq_len=context,
-                    num_kv_heads=kv_heads,
-                    queries_per_kv=q_heads // kv_heads,
-                    head_dim=head_dim,
-                    multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count,
-                ).num_splits
+                plan = plan_config(shape)
+                row.num_splits = plan.num_splits
+                row.plan = {"block_q": plan.block_q, "block_n": plan.block_n, "num_splits": plan.num_splits}
                 small = batch * context <= 16 * 4096
                 ref = decode_reference(x, scale, 0) if small else None
                 tile_out: torch.Tensor | None = None
@@ -296,25 +352,27 @@ def bench_decode(
                     except Exception as exc:  # one failing baseline must not end the run
                         row.errors[name] = f"{type(exc).__name__}: {exc}"[:300]
                 if sweep:
-                    plan = plan_launch(
-                        num_seqs=batch,
-                        num_tokens=batch,
-                        max_query_len=1,
-                        max_seq_len=context,
-                        num_kv_heads=kv_heads,
-                        queries_per_kv=q_heads // kv_heads,
-                        head_dim=head_dim,
-                        multiprocessors=8,
-                    )
-                    for splits in (1, 2, 4, 8, 16, 32):
-                        if splits > 1 and context < 64 * splits:
+                    for num_splits, sweep_block_n, tier in sweep_configs(shape, plan):
+                        if tier > 0 and time.time() - t0 > sweep_budget_s:
+                            if not budget_logged:
+                                log(f"sweep budget {sweep_budget_s:.0f}s spent: tiers 1-2 skipped from here")
+                                budget_logged = True
                             continue
-                        forced = LaunchConfig(plan.block_q, plan.block_n, splits)
+                        forced = LaunchConfig(plan.block_q, sweep_block_n, num_splits)
+                        entry: dict[str, Any] = {"splits": num_splits, "block_n": sweep_block_n, "tier": tier}
                         try:
-                            row.tile_us_by_splits[splits] = time_graph(tile_kernel(x, scale, forced), x.copies) * 1e6
+                            x.outs.fill_(float("nan"))
+                            entry["us"] = time_graph(tile_kernel(x, scale, forced), x.copies) * 1e6
+                            if torch.isnan(x.outs).any():
+                                raise RuntimeError("output not fully written")
+                            if tile_out is not None:
+                                entry["rel_diff_vs_tile"] = relative_error(x.outs[0], tile_out)
                         except Exception as exc:
-                            row.errors[f"tile_splits_{splits}"] = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append(row)
+                            entry["us"] = None
+                            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        row.tile_sweep.append(entry)
+                rows.append(asdict(row))
+                save(rows)
                 log(format_row(row))
                 del x
                 torch.cuda.empty_cache()
@@ -328,13 +386,17 @@ def format_row(row: DecodeRow) -> str:
     frac = row.bandwidth_fraction.get("tile", float("nan"))
     vs_triton = row.us["vllm_triton"] / row.us["tile"] if {"tile", "vllm_triton"} <= row.us.keys() else float("nan")
     vs_fa3 = row.us["fa3"] / row.us["tile"] if {"tile", "fa3"} <= row.us.keys() else float("nan")
+    timed = [e for e in row.tile_sweep if e.get("us") is not None]
+    best = min(timed, key=lambda e: e["us"]) if timed else None
     return (
         f"{row.model:13s} b={row.batch:4d} ctx={row.context:5d} splits={row.num_splits:2d} "
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
         f"tile_bw={frac:6.1%} triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "
         f"d_triton={row.rel_diff_vs_tile.get('vllm_triton', float('nan')):.1e} "
-        f"d_fa3={row.rel_diff_vs_tile.get('fa3', float('nan')):.1e}" + (f" errors={row.errors}" if row.errors else "")
+        f"d_fa3={row.rel_diff_vs_tile.get('fa3', float('nan')):.1e}"
+        + (f" sweep={len(timed)} best=({best['splits']},{best['block_n']}) {best['us']:.1f}us" if best else "")
+        + (f" errors={row.errors}" if row.errors else "")
     )
 
 
@@ -477,24 +539,36 @@ def bench_prefill(device: torch.device, log: Callable[[str], None]) -> list[dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-decode", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="also time tile at 1..32 splits per shape")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time tile at other (splits, block_n) per shape")
+    parser.add_argument(
+        "--sweep-budget-s", type=float, default=float("inf"), help="decode seconds after which sweep tiers 1-2 stop"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
-    lines: list[str] = []
+    path = os.path.join(args.out, "bench_attention.json")
 
     def log(line: str) -> None:
         print(line, flush=True)
-        lines.append(line)
 
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(device),
+        "multiprocessors": torch.cuda.get_device_properties(device).multi_processor_count,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
+        "argv": sys.argv[1:],
     }
+
+    def save(decode_rows: list[dict[str, Any]] | None = None) -> None:
+        if decode_rows is not None:
+            report["decode"] = decode_rows
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
     try:
         import triton
 
@@ -507,11 +581,15 @@ def main() -> None:
     sections: list[tuple[str, Callable[[], Any]]] = [
         ("copy_bandwidth_Bps", lambda: copy_bandwidth(device)),
         ("correctness", lambda: correctness_real_shapes(device, log)),
-        ("prefill", lambda: bench_prefill(device, log)),
     ]
+    if not args.skip_prefill:
+        sections.append(("prefill", lambda: bench_prefill(device, log)))
     if not args.skip_decode:
         sections.append(
-            ("decode", lambda: [asdict(r) for r in bench_decode(device, report["copy_bandwidth_Bps"], log, args.sweep)])
+            (
+                "decode",
+                lambda: bench_decode(device, report["copy_bandwidth_Bps"], log, save, args.sweep, args.sweep_budget_s),
+            )
         )
     for name, section in sections:
         t0 = time.time()
@@ -521,8 +599,7 @@ def main() -> None:
             report[f"{name}_error"] = traceback.format_exc()[-3000:]
             log(f"section {name} failed: {report[f'{name}_error']}")
         log(f"section {name} took {time.time() - t0:.1f}s")
-        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        save()
     log(f"copy bandwidth {report.get('copy_bandwidth_Bps', float('nan')) / 1e12:.2f} TB/s")
 
 

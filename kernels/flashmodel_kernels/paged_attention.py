@@ -36,17 +36,22 @@ PAGE_SIZE = 16
 MIN_TOKENS_PER_SPLIT = 256
 """A split shorter than this spends more on its merge than it saves in parallelism."""
 
+PROGRAMS_PER_SM = 2.0
+"""Decode splits the key range until there are about this many programs per multiprocessor."""
+
 MAX_SPLITS = 32
 
 SHARED_BUDGET_BYTES = 48 * 1024
 """Shared memory one program may plan for: the T4 allows 64 KB per block; the rest is headroom."""
 
 
-@triton.jit
+# num_splits is a runtime argument, not a constexpr: a new split count (a new batch size in eager
+# serving, or a benchmark sweep) must not cost a compile. Only whether to split is compiled in.
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], written when NUM_SPLITS == 1
-    part_out_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32, when NUM_SPLITS > 1
-    part_lse_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] fp32 log2-sum-exp2, when NUM_SPLITS > 1
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], written when not SPLIT_KV
+    part_out_ptr,  # [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD] fp32, when SPLIT_KV
+    part_lse_ptr,  # [num_tokens, num_q_heads, num_splits] fp32 log2-sum-exp2, when SPLIT_KV
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
     v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
@@ -55,6 +60,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     num_seqs,
     num_q_heads,
+    num_splits,
     qk_scale_log2,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is one instruction)
     stride_q_tok,
     stride_q_head,
@@ -76,7 +82,7 @@ def _paged_attention_kernel(
     QUERIES_PER_KV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
@@ -128,7 +134,7 @@ def _paged_attention_kernel(
     last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
     kv_end = context_len + last_tok
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_kv_tiles)
 
@@ -184,7 +190,7 @@ def _paged_attention_kernel(
     has_keys = l_i > 0.0
     out_tile = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     tok_global = q_begin + tok_in_seq
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o_rows = tok_global * stride_o_tok + q_head * stride_o_head
         tl.store(
             out_ptr + o_rows[:, None] + offs_d[None, :],
@@ -192,7 +198,7 @@ def _paged_attention_kernel(
             mask=row_valid[:, None] & dim_valid[None, :],
         )
     else:
-        part_row = (tok_global * num_q_heads + q_head) * NUM_SPLITS + split
+        part_row = (tok_global * num_q_heads + q_head) * num_splits + split
         tl.store(
             part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
             out_tile,
@@ -202,30 +208,30 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    part_out_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32, each split normalised
-    part_lse_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] fp32, log2 of each split's exp2-sum
+    part_out_ptr,  # [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD] fp32, each split normalised
+    part_lse_ptr,  # [num_tokens, num_q_heads, num_splits] fp32, log2 of each split's exp2-sum
     num_q_heads,
+    num_splits,
     stride_o_tok,
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     NUM_SPLITS_PAD: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    row = (tok * num_q_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    row = (tok * num_q_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     # Every token sees at least itself, so at least one split has a finite log-sum.
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # [NUM_SPLITS_PAD]
     part = tl.load(
         part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-        mask=(offs_s < NUM_SPLITS)[:, None],
+        mask=(offs_s < num_splits)[:, None],
         other=0.0,
     )  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
     merged = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
@@ -267,12 +273,23 @@ def plan_launch(
     queries_per_kv: int,
     head_dim: int,
     multiprocessors: int,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+    programs_per_sm: float = PROGRAMS_PER_SM,
+    max_splits: int = MAX_SPLITS,
+    fit_block_n_to_split: bool = False,
+    decode_block_n: int | None = None,
 ) -> LaunchConfig:
     """Choose the tiling for one call from host-side sizes only (no device sync, graph-safe).
 
     Decode (every sequence brings one token) is memory-bound: M is the smallest tile tl.dot takes
-    and the key range is split until there are about two programs per multiprocessor. Prefill
-    is compute-bound: a larger M reuses each K/V tile for more query rows.
+    and the key range is split until there are about ``programs_per_sm`` programs per
+    multiprocessor, keeping at least ``min_tokens_per_split`` keys per split and at most
+    ``max_splits`` splits. A decode tile takes the most keys (BLOCK_N) the shared-memory budget
+    allows, at most ``decode_block_n`` when given (a power of two >= 16), and with
+    ``fit_block_n_to_split`` no more than one split holds, so short splits load no masked keys.
+    Prefill is compute-bound: a larger M reuses each K/V tile for more query rows. The keyword
+    defaults are the rule in use; ``bench/kernels/fit_splits.py`` passes others to compare rules
+    on measured data.
     """
     group_pad = triton.next_power_of_2(queries_per_kv)
     decode = max_query_len <= 1
@@ -286,10 +303,16 @@ def plan_launch(
     q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     programs = q_tiles * num_kv_heads
     splits = 1
-    target = 2 * multiprocessors
+    target = programs_per_sm * multiprocessors
     if programs < target:
-        by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-        splits = max(1, min(math.ceil(target / programs), by_length, MAX_SPLITS))
+        by_length = max(1, max_seq_len // max(1, min_tokens_per_split))
+        splits = max(1, min(math.ceil(target / programs), by_length, max_splits))
+    if decode and decode_block_n is not None:
+        block_n = max(16, min(block_n, triton.next_power_of_2(decode_block_n)))
+    if decode and fit_block_n_to_split and splits > 1:
+        keys_per_split = math.ceil(max_seq_len / splits)
+        while block_n > 16 and block_n > keys_per_split:
+            block_n //= 2
     return LaunchConfig(block_q=block_q, block_n=block_n, num_splits=splits)
 
 
@@ -350,7 +373,7 @@ def paged_attention(
         )
         part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
     else:
-        part_out = part_lse = out  # never touched: the NUM_SPLITS == 1 branch is compiled out
+        part_out = part_lse = out  # never touched: without SPLIT_KV that branch is compiled out
     grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out,
@@ -364,6 +387,7 @@ def paged_attention(
         query_start_loc,
         num_seqs,
         num_q_heads,
+        splits,
         scale * math.log2(math.e),
         query.stride(0),
         query.stride(1),
@@ -379,7 +403,7 @@ def paged_attention(
         QUERIES_PER_KV_PAD=triton.next_power_of_2(queries_per_kv),
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
-        NUM_SPLITS=splits,
+        SPLIT_KV=splits > 1,
         INTERPRETER_BF16=INTERPRETING and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -390,11 +414,11 @@ def paged_attention(
             part_out,
             part_lse,
             num_q_heads,
+            splits,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=splits,
             NUM_SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=4,
         )

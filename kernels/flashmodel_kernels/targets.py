@@ -124,7 +124,7 @@ def compile_tile_attention(
         QUERIES_PER_KV_PAD=triton.next_power_of_2(queries_per_kv),
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
-        NUM_SPLITS=config.num_splits,
+        SPLIT_KV=int(config.num_splits > 1),
         INTERPRETER_BF16=0,
     )
     reports = [_compile(_paged_attention_kernel, dtype, attention, config.num_warps, config.num_stages, arch)]
@@ -132,7 +132,6 @@ def compile_tile_attention(
         merge = dict(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=config.num_splits,
             NUM_SPLITS_PAD=triton.next_power_of_2(config.num_splits),
         )
         reports.append(_compile(_merge_splits_kernel, dtype, merge, 4, 1, arch))

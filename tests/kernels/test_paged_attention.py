@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, plan_launch
@@ -98,11 +100,12 @@ def test_prefill_one_long_prompt_crosses_query_tiles(device: str, generator: tor
     run_and_check(batch, torch.bfloat16 if device == "cuda" else torch.float16, note)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 8])
-def test_split_kv_merges_exactly(splits: int, device: str, generator: torch.Generator) -> None:
+@pytest.mark.parametrize(("splits", "block_n"), [(2, 32), (3, 32), (8, 32), (17, 16)])
+def test_split_kv_merges_exactly(splits: int, block_n: int, device: str, generator: torch.Generator) -> None:
     # 8 splits over a 20-token sequence leaves whole splits empty: their weight must be zero.
+    # 17 (not a power of two, one 16-key tile per split) checks the merge masks its padded slots.
     batch, note = make([1, 1, 3], [300, 19, 150], group=6, device=device, generator=generator)
-    run_and_check(batch, torch.float16, note, LaunchConfig(block_q=2, block_n=32, num_splits=splits))
+    run_and_check(batch, torch.float16, note, LaunchConfig(block_q=2, block_n=block_n, num_splits=splits))
 
 
 def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
@@ -172,8 +175,8 @@ def test_rejects_a_cache_that_is_not_16_token_blocks(device: str, generator: tor
 
 
 class TestPlanLaunch:
-    def plan(self, **overrides: int) -> LaunchConfig:
-        sizes = dict(
+    def plan(self, **overrides: int | float | bool | None) -> LaunchConfig:
+        sizes: dict[str, Any] = dict(
             num_seqs=1,
             num_tokens=1,
             max_query_len=1,
@@ -194,6 +197,27 @@ class TestPlanLaunch:
 
     def test_short_context_does_not_split_below_min_length(self) -> None:
         assert self.plan(max_seq_len=300).num_splits == 1
+
+    def test_rule_in_use_matches_the_measured_h200_run(self) -> None:
+        # docs/benchmarks.md (issue 5, run 1): these picks are what the H200 numbers were taken at.
+        assert self.plan(max_seq_len=512).num_splits == 2
+        assert self.plan(num_seqs=16, num_tokens=16).num_splits == 9
+        assert self.plan(num_seqs=128, num_tokens=128, max_seq_len=1024).num_splits == 2
+
+    def test_occupancy_target_and_split_floor_are_parameters(self) -> None:
+        base = self.plan(num_seqs=16, num_tokens=16)
+        assert self.plan(num_seqs=16, num_tokens=16, programs_per_sm=8).num_splits > base.num_splits
+        # One sequence, 2 programs: the 512-token context allows 512 // 64 = 8 splits of 64 keys.
+        assert self.plan(max_seq_len=512, min_tokens_per_split=64).num_splits == 8
+        assert self.plan(max_seq_len=512, min_tokens_per_split=16, max_splits=12).num_splits == 12
+
+    def test_decode_key_tile_can_follow_the_split_or_a_cap(self) -> None:
+        assert self.plan(max_seq_len=512, min_tokens_per_split=32).block_n == 64
+        fitted = self.plan(max_seq_len=512, min_tokens_per_split=32, fit_block_n_to_split=True)
+        assert (fitted.num_splits, fitted.block_n) == (16, 32)
+        assert self.plan(decode_block_n=32).block_n == 32
+        prefill = self.plan(max_query_len=512, num_tokens=512, decode_block_n=16, fit_block_n_to_split=True)
+        assert prefill.block_n == self.plan(max_query_len=512, num_tokens=512).block_n
 
     @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
     @pytest.mark.parametrize("queries_per_kv", [1, 6, 7, 8])
