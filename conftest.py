@@ -31,7 +31,8 @@ def control_plane() -> Iterator[ControlPlane]:
 
 @pytest.fixture
 def k8s_namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace named after the test; deleted (without waiting) afterwards."""
+    """A fresh namespace named after the test; deleted afterwards, waiting until its pods are gone."""
     name = control_plane.create_namespace(request.node.name)
     yield name
-    control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    # Waiting keeps tests independent: pods of a dying namespace still hold fake GPU nodes.
+    control_plane.delete_namespace(name)

@@ -629,6 +629,15 @@ class ControlPlane:
         )
         return name
 
+    def delete_namespace(self, name: str, timeout: float = 120) -> None:
+        """Deletes a namespace and waits until it is gone, so its pods no longer hold any node."""
+        self.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+        wait_until(
+            f"namespace {name} deleted",
+            lambda: self.kubectl("get", "namespace", name, check=False).returncode != 0,
+            timeout,
+        )
+
     # -- fake T4 nodes ---------------------------------------------------------------------
 
     def add_t4_nodes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 
 from e2e.cluster import ControlPlane
 from e2e.operator_run import chart_service_account, helm_install, running_operator, service_account_kubeconfig
+
+RBAC_DENIAL = re.compile(r"forbidden: User .{0,200}? cannot ", re.IGNORECASE)
 
 
 @pytest.fixture(scope="session")
@@ -30,5 +33,7 @@ def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
     with running_operator(kubeconfig, log, extra_env=env) as proc:
         yield log
         assert proc.poll() is None, f"the operator exited: {log.read_text()[-3000:]}"
-    text = log.read_text()
-    assert "forbidden" not in text.lower(), f"RBAC denied the operator something:\n{text[-3000:]}"
+    # An RBAC denial names the user ("... is forbidden: User \"system:serviceaccount:...\" cannot
+    # patch resource ..."); a 403 for a namespace being deleted does not and is not RBAC's doing.
+    denials = [line for line in log.read_text().splitlines() if RBAC_DENIAL.search(line)]
+    assert not denials, "RBAC denied the operator something:\n" + "\n".join(denials[:20])

@@ -20,9 +20,9 @@ t0=$(date +%s)
 
 # The control plane is CPU-bound Go compilation, the venv mostly downloads: run them side by side.
 log "event=setup what=testbin,venv"
+mkdir -p "$CACHE"
 bash scripts/testbin.sh >"$CACHE.testbin.log" 2>&1 &
 testbin_pid=$!
-mkdir -p "$CACHE"
 bash scripts/setup-engine.sh
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   "kopf>=1.37" "kubernetes>=37" "jinja2>=3.1" "pyyaml>=6" "prometheus-client>=0.20" \

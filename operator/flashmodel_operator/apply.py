@@ -38,6 +38,15 @@ _PATHS: dict[tuple[str, str], str] = {
 }
 
 
+def namespace_terminating(exc: ApiException) -> bool:
+    """True for the 403 the API server sends when a write lands in a namespace being deleted.
+
+    Not an RBAC denial: the namespace controller is removing everything, the FlashModel included,
+    so there is nothing left to reconcile.
+    """
+    return exc.status == 403 and "NamespaceTerminating" in str(exc.body or "")
+
+
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
     return _PATHS[(api_version, kind)].format(ns=namespace)
 

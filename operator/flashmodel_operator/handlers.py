@@ -10,10 +10,11 @@ import aiohttp
 import kopf
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
-from flashmodel_operator.apply import Cluster
+from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.reconcile import reconcile
 
@@ -61,7 +62,14 @@ def _reconcile_latest(namespace: str | None, name: str) -> None:
     body = cluster().get_flashmodel(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
-    outcome = reconcile(cluster(), body)
+    try:
+        outcome = reconcile(cluster(), body)
+    except ApiException as exc:
+        if namespace_terminating(exc):
+            # The namespace is being deleted with the model in it; retrying would only repeat the 403.
+            log.info("event=skipped model=%s/%s reason=NamespaceTerminating", namespace, name)
+            return
+        raise
     changed = {k: v for k, v in outcome.applied.items() if v != "unchanged"}
     if changed or outcome.status_written:
         log.info(

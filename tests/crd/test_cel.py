@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,13 @@ def crd(control_plane: ControlPlane) -> None:
 
 
 @pytest.fixture(scope="module")
-def namespace(control_plane: ControlPlane, crd: None) -> str:
+def namespace(control_plane: ControlPlane, crd: None) -> Iterator[str]:
     # One namespace for the whole module: these tests create small objects and never collide by name.
-    return control_plane.create_namespace("crd-cel")
+    name = control_plane.create_namespace("crd-cel")
+    yield name
+    # Gone before later modules start the operator, which would otherwise reconcile these
+    # models into pods that hold the fake T4 nodes other tests schedule onto.
+    control_plane.delete_namespace(name)
 
 
 def fm(name: str, spec: dict[str, Any]) -> str:
