@@ -52,10 +52,13 @@ def candidate_grid() -> list[Rule]:
     for min_tokens, per_sm, block_policy in itertools.product(
         (16, 32, 64, 128, 256), (1, 2, 4, 8, 16), ("budget", "fit", "32")
     ):
-        rule: Rule = {"min_tokens_per_split": min_tokens, "programs_per_sm": per_sm}
-        if block_policy == "fit":
-            rule["fit_block_n_to_split"] = True
-        elif block_policy == "32":
+        # Every policy spelled out, so a change of plan_launch's defaults does not change the grid.
+        rule: Rule = {
+            "min_tokens_per_split": min_tokens,
+            "programs_per_sm": per_sm,
+            "fit_block_n_to_split": block_policy == "fit",
+        }
+        if block_policy == "32":
             rule["decode_block_n"] = 32
         rules.append(rule)
     return rules

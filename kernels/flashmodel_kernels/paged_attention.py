@@ -33,13 +33,22 @@ __all__ = ["LaunchConfig", "paged_attention", "plan_launch"]
 PAGE_SIZE = 16
 """Tokens per KV-cache block: the T4 profile fixes vLLM's ``--block-size 16``."""
 
-MIN_TOKENS_PER_SPLIT = 256
-"""A split shorter than this spends more on its merge than it saves in parallelism."""
+# The decode split rule, fitted on the H200 sweep of 2026-12-02 (run 2,
+# bench/kernels/results/h200-2026-12-02-run2, ``fit_splits.py --search``): on its 56 decode shapes
+# this rule is slower than vLLM's Triton kernel on none (worst triton/tile 1.08, geomean 1.37),
+# where the rule before it (256 keys per split, no tile fitting) was slower on 10 (worst 0.59, at
+# batch 1-16 with context 512-1024, where too few programs kept the GPU idle). Every pick it makes
+# on those shapes was timed there, so docs/benchmarks.md reports measurements, not predictions.
+MIN_TOKENS_PER_SPLIT = 32
+"""A split holds at least this many keys (two 16-token pages): shorter, its merge costs more than it saves."""
 
 PROGRAMS_PER_SM = 2.0
 """Decode splits the key range until there are about this many programs per multiprocessor."""
 
 MAX_SPLITS = 32
+
+FIT_BLOCK_N_TO_SPLIT = True
+"""Decode key tiles no longer than one split: a 32-key split read with 64-key tiles loads half masked keys."""
 
 SHARED_BUDGET_BYTES = 48 * 1024
 """Shared memory one program may plan for: the T4 allows 64 KB per block; the rest is headroom."""
@@ -276,7 +285,7 @@ def plan_launch(
     min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
     programs_per_sm: float = PROGRAMS_PER_SM,
     max_splits: int = MAX_SPLITS,
-    fit_block_n_to_split: bool = False,
+    fit_block_n_to_split: bool = FIT_BLOCK_N_TO_SPLIT,
     decode_block_n: int | None = None,
 ) -> LaunchConfig:
     """Choose the tiling for one call from host-side sizes only (no device sync, graph-safe).
@@ -288,8 +297,9 @@ def plan_launch(
     allows, at most ``decode_block_n`` when given (a power of two >= 16), and with
     ``fit_block_n_to_split`` no more than one split holds, so short splits load no masked keys.
     Prefill is compute-bound: a larger M reuses each K/V tile for more query rows. The keyword
-    defaults are the rule in use; ``bench/kernels/fit_splits.py`` passes others to compare rules
-    on measured data.
+    defaults are the rule in use, chosen from measurements (H200 run 2, see ``MIN_TOKENS_PER_SPLIT``);
+    ``bench/kernels/fit_splits.py`` passes others to compare rules on measured data. The split count
+    is a runtime kernel argument, so a new pick costs no compile.
     """
     group_pad = triton.next_power_of_2(queries_per_kv)
     decode = max_query_len <= 1
