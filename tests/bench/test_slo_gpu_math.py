@@ -97,6 +97,8 @@ def test_summary_rows_and_markdown_survive_a_failed_case() -> None:
                     "max_rate_rps": 64.0,
                     "first_failing_rps": 96.0,
                     "at_max": {"ttft_p99_ms": 250.0, "tpot_p50_ms": 3.1},
+                    "warmup": {"rate_rps": 8.0, "summary": {"ttft_p99_ms": 1690.9}},
+                    "retried_rates": [96.0, 128.0],
                 },
                 "first10": {"ttft_ms": [900.0, 30.0]},
             },
@@ -105,7 +107,9 @@ def test_summary_rows_and_markdown_survive_a_failed_case() -> None:
     }
     rows = slo_gpu.summary_rows(results)
     assert rows[0]["max_rps_at_slo"] == 64.0 and rows[0]["first_ttft_ms"] == 900.0
+    assert rows[0]["warmup_ttft_p99_ms"] == 1690.9 and rows[0]["retried_rps"] == "96,128"
     assert rows[1]["error"] == "server did not come up" and rows[1]["max_rps_at_slo"] is None
+    assert rows[1]["warmup_ttft_p99_ms"] is None and rows[1]["retried_rps"] is None
     table = slo_gpu.markdown(rows)
     assert table.count("\n") == 3 and "| broken | 7b |" in table
 
@@ -119,3 +123,15 @@ def test_the_plan_puts_the_profile_comparison_first_and_tile_only_when_asked() -
     t4 = next(c for c in slo_gpu.plan(smoke=False, tile=False, shim=False) if c.name == "t4-1.5b")
     assert t4.args == slo_gpu.T4_ARGS and "--enforce-eager" in t4.args
     assert next(c for c in slo_gpu.plan(False, False, False) if c.name == "defaults-1.5b").args == []
+
+
+def test_every_case_gets_empty_triton_and_vllm_caches(tmp_path: Path) -> None:
+    """A case must not start with the kernels an earlier case compiled on the same machine."""
+    env = slo_gpu.fresh_caches(tmp_path, "t4-1.5b")
+    triton, vllm = Path(env["TRITON_CACHE_DIR"]), Path(env["VLLM_CACHE_ROOT"])
+    assert triton.is_dir() and vllm.is_dir() and triton != vllm
+    (triton / "kernel.cubin").write_bytes(b"x")
+    again = slo_gpu.fresh_caches(tmp_path, "t4-1.5b")
+    assert again == env and not any(triton.iterdir())
+    other = slo_gpu.fresh_caches(tmp_path, "t4-launcher-1.5b")
+    assert other["TRITON_CACHE_DIR"] != env["TRITON_CACHE_DIR"]
