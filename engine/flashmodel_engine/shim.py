@@ -246,7 +246,7 @@ class EngineShim:
         result = await run_prewarm(self.base_url, self.config.model.served_name, requests=requests,
                                    prompts=prompts, max_tokens=p.max_tokens, timeout_seconds=p.timeout_seconds,
                                    max_model_len=self.max_model_len, headers=self.headers)
-        self._own_requests += result.requests
+        self._own_requests += result.requests + result.batched
         self._own_tokens += result.completion_tokens
         self.prewarm_result = result
         self._ready = None

@@ -75,9 +75,11 @@ def test_probes_before_and_after_prewarm(engine: LaunchedEngine) -> None:
     r = engine.post("/prewarm")
     assert r.status == 200, r.text
     result = r.json()
-    assert set(result) == {"ok", "requests", "coldTTFTMs", "warmTTFTMs", "durationSeconds", "error"}
+    assert set(result) == {"ok", "requests", "batchedRequests", "coldTTFTMs", "warmTTFTMs", "durationSeconds", "error"}
     assert result["ok"] is True and result["error"] is None
     assert result["requests"] == 5
+    # A batch of several sequences ran too (its first run compiles kernels on a GPU).
+    assert result["batchedRequests"] == 4
     assert result["coldTTFTMs"] > 0 and result["warmTTFTMs"] > 0
     assert result["durationSeconds"] > 0
     assert engine.get("/prewarm").json() == result
