@@ -87,6 +87,10 @@ class EnginePod:
     restarts: int = 0
     deleting_since: float | None = None
     hog_file: Path = field(default_factory=Path)
+    readiness_probe: dict[str, Any] = field(default_factory=dict)
+    """The container's readinessProbe, honoured like the kubelet: period, timeout, failureThreshold."""
+    readiness_failures: int = 0
+    last_readiness_probe: float = 0.0
 
     @property
     def shim(self) -> str:
@@ -271,6 +275,7 @@ class EngineKubelet:
             grace=grace,
             hog_file=hog,
             restarts=self._restarts.get(name, 0),
+            readiness_probe=container.get("readinessProbe") or {},
         )
         with self.lock:
             self.pods[name] = engine_pod
@@ -314,8 +319,24 @@ class EngineKubelet:
         if not engine_pod.started:
             engine_pod.started = _http_status(engine_pod.shim + "/startupz", 2) == 200
         if engine_pod.started:
-            engine_pod.ready = _http_status(engine_pod.shim + "/readyz", 8) == 200
+            self._probe_readiness(engine_pod)
         self._patch_status(engine_pod.name, {}, pod, engine_pod)
+
+    def _probe_readiness(self, engine_pod: EnginePod) -> None:
+        # The kubelet's rule: probe every periodSeconds with timeoutSeconds, and only
+        # failureThreshold failures in a row make the container unready (one slow answer on a
+        # busy node does not pull a pod out of its Service); one success makes it ready.
+        probe = engine_pod.readiness_probe
+        now = time.monotonic()
+        if now - engine_pod.last_readiness_probe < float(probe.get("periodSeconds", 10)):
+            return
+        engine_pod.last_readiness_probe = now
+        ok = _http_status(engine_pod.shim + "/readyz", float(probe.get("timeoutSeconds", 1))) == 200
+        engine_pod.readiness_failures = 0 if ok else engine_pod.readiness_failures + 1
+        if ok:
+            engine_pod.ready = True
+        elif engine_pod.readiness_failures >= int(probe.get("failureThreshold", 3)):
+            engine_pod.ready = False
 
     def _container_status(self, engine_pod: EnginePod, terminated: dict[str, Any] | None = None) -> dict[str, Any]:
         status: dict[str, Any] = {

@@ -71,6 +71,8 @@ class Load:
     """Requests an engine accepted (the connection was made and the request sent) that never completed."""
     refused: int = 0
     min_ready_endpoints: int = 99
+    min_ready_seen: str = ""
+    """When the fewest ready endpoints were seen, and the EndpointSlices then (for the failure message)."""
     stop: threading.Event = field(default_factory=threading.Event)
     endpoints: list[str] = field(default_factory=list)
 
@@ -87,7 +89,9 @@ class Load:
                 for a in e["addresses"]
             ]
             self.endpoints = ready
-            self.min_ready_endpoints = min(self.min_ready_endpoints, len(ready))
+            if len(ready) < self.min_ready_endpoints:
+                self.min_ready_endpoints = len(ready)
+                self.min_ready_seen = f"{time.strftime('%H:%M:%S')}: {slices}"
             self.stop.wait(0.3)
 
     def client(self, worker: int) -> None:
@@ -267,7 +271,7 @@ def test_diverging_pod_is_drained_and_replaced_without_losing_requests(
     assert not load.lost, f"accepted requests were lost during the remediation: {load.lost[:5]}"
     assert load.completed > 10
     # The PDB (maxUnavailable 1) held: the other pod served throughout.
-    assert load.min_ready_endpoints >= 1
+    assert load.min_ready_endpoints >= 1, f"no ready endpoint at {load.min_ready_seen[:3000]}"
     names = {p["metadata"]["name"] for p in _pods(control_plane, ns)}
     assert bystander in names and victim not in names, "exactly the diverging pod must be replaced"
     entries = fm["status"]["remediations"]

@@ -47,6 +47,15 @@ def namespace_terminating(exc: ApiException) -> bool:
     return exc.status == 403 and "NamespaceTerminating" in str(exc.body or "")
 
 
+def api_message(exc: ApiException) -> str:
+    """The API server's own message from an error response (its Status object), else the raw body."""
+    raw = str(exc.body or exc.reason or "")
+    try:
+        return str(json.loads(raw).get("message") or raw)[:500]
+    except (ValueError, AttributeError):
+        return raw[:500]
+
+
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
     return _PATHS[(api_version, kind)].format(ns=namespace)
 

@@ -7,7 +7,7 @@ import datetime as dt
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -113,8 +113,18 @@ def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
 class PodWatch:
     """The life of one engine pod as the operator sees it: prewarm, gate, watch, remediate."""
 
-    def __init__(self, cluster: Cluster, session: aiohttp.ClientSession, namespace: str, name: str, model: str) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        session: aiohttp.ClientSession,
+        namespace: str,
+        name: str,
+        model: str,
+        live_body: Mapping[str, Any] | None = None,
+    ) -> None:
         self.cluster = cluster
+        self.live_body = live_body
+        """kopf's live view of the pod (updated from the watch stream), so waiting costs no API reads."""
         self.session = session
         self.namespace = namespace
         self.name = name
@@ -147,6 +157,12 @@ class PodWatch:
 
     async def step(self) -> float | None:
         """One look at the pod; the seconds until the next, or None when the watch is over."""
+        if self.live_body is not None:
+            # A Pending pod (no GPU node free, image pulling) can wait for hours; reading it from
+            # the API every second made 400 Pending pods cost ~150 reads/s and most of a core.
+            seen = self.live_body.get("status") or {}
+            if seen.get("phase") != "Running" or not seen.get("podIP"):
+                return 1.0
         pod = await self._api(self.cluster.get, "v1", "Pod", self.namespace, self.name)
         if pod is None or pod["metadata"].get("deletionTimestamp"):
             return None

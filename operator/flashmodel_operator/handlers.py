@@ -119,11 +119,11 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
 
 @kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5)
 async def engine_pod(
-    namespace: str | None, name: str, labels: kopf.Labels, stopped: kopf.DaemonStopped, **_: Any
+    namespace: str | None, name: str, labels: kopf.Labels, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
     """Prewarm the pod, flip its readiness gate, then watch it until it goes away."""
     model = model_of(dict(labels))
     if namespace is None or model is None:
         return
     async with aiohttp.ClientSession() as session:
-        await PodWatch(cluster(), session, namespace, name, model).run(stopped)
+        await PodWatch(cluster(), session, namespace, name, model, live_body=body).run(stopped)

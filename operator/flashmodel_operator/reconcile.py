@@ -9,10 +9,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
-from flashmodel_operator.apply import Cluster
+from flashmodel_operator.apply import Cluster, api_message, namespace_terminating
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.render import (
@@ -163,7 +164,24 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
 
     children = render_children(fm, replicas=0 if held else None)
     for child in children:
-        result = cluster.apply(child)
+        try:
+            result = cluster.apply(child)
+        except ApiException as exc:
+            if namespace_terminating(exc):
+                raise
+            # Without this the model would show no status at all while kopf retries (seen when a
+            # Service range was full): say which child the API server refused and why.
+            kind, child_name = child["kind"], child["metadata"]["name"]
+            refused = Problem(
+                "ApplyFailed",
+                f"the API server refused {kind} {child_name} ({exc.status}): {api_message(exc)}; "
+                "the operator retries with back-off",
+            )
+            outcome.problem = refused
+            _write_status(
+                cluster, body, new_status, Observation(generation, fm.spec.replicas, problem=refused), outcome
+            )
+            raise
         outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
         if result != "unchanged":
             cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {child['metadata']['name']}")

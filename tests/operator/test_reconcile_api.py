@@ -13,6 +13,7 @@ import pytest
 import yaml
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.reconcile import reconcile
+from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import ControlPlane
 
@@ -159,6 +160,34 @@ def test_missing_auth_secret_is_degraded_with_what_to_do(
     control_plane.kubectl("create", "secret", "generic", "keys", "-n", k8s_namespace, "--from-literal=api-key=s3cret")
     outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "auth"))
     assert outcome.problem is None
+
+
+def test_a_child_the_api_server_refuses_is_degraded_not_silent(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    # A real refusal: a quota that allows no Service in this namespace.
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-services"},
+        "spec": {"hard": {"services": "0"}},
+    }
+    control_plane.kubectl("apply", "-n", k8s_namespace, "-f", "-", input=yaml.safe_dump(quota))
+    body = _create(control_plane, k8s_namespace, "refused", SPEC)
+    with pytest.raises(ApiException) as refused:
+        reconcile(cluster, body)
+    assert refused.value.status == 403
+    status = _get(control_plane, k8s_namespace, "refused")["status"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "ApplyFailed"
+    assert "Service refused" in conditions["Degraded"]["message"] and "quota" in conditions["Degraded"]["message"]
+    assert conditions["Ready"]["status"] == "False"
+
+    control_plane.kubectl("delete", "resourcequota", "no-services", "-n", k8s_namespace)
+    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "refused"))
+    assert outcome.problem is None
+    conditions = {c["type"]: c for c in _get(control_plane, k8s_namespace, "refused")["status"]["conditions"]}
+    assert conditions["Degraded"]["status"] == "False"
 
 
 def test_preflight_refusal_holds_at_zero_instead_of_crash_looping(
