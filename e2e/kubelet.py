@@ -101,17 +101,22 @@ class EnginePod:
         return f"http://{self.ip}:8000"
 
 
-def _http_status(url: str, timeout: float) -> int:
+def _http_get(url: str, timeout: float) -> tuple[int, str]:
+    """(status, body); status 0 when no answer came (refused, timed out)."""
     import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return int(resp.status)
+            return int(resp.status), resp.read(500).decode(errors="replace")
     except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, ValueError):
-        return 0
+        return int(exc.code), exc.read(500).decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
+def _http_status(url: str, timeout: float) -> int:
+    return _http_get(url, timeout)[0]
 
 
 class EngineKubelet:
@@ -331,7 +336,11 @@ class EngineKubelet:
         if now - engine_pod.last_readiness_probe < float(probe.get("periodSeconds", 10)):
             return
         engine_pod.last_readiness_probe = now
-        ok = _http_status(engine_pod.shim + "/readyz", float(probe.get("timeoutSeconds", 1))) == 200
+        status, answer = _http_get(engine_pod.shim + "/readyz", float(probe.get("timeoutSeconds", 1)))
+        ok = status == 200
+        # The kubelet records failed probes as events; here a file beside the engine log says the same.
+        with (engine_pod.workdir / "probes.log").open("a") as trail:
+            trail.write(f"{_now()} readyz status={status} seconds={time.monotonic() - now:.2f} {answer.strip()}\n")
         engine_pod.readiness_failures = 0 if ok else engine_pod.readiness_failures + 1
         if ok:
             engine_pod.ready = True
