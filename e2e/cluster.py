@@ -443,6 +443,10 @@ class ControlPlane:
                 "--bind-address=127.0.0.1",
                 f"--secure-port={p.controller_manager}",
                 f"--cert-dir={self.dir / 'pki' / 'kcm-certs'}",
+                # kwok renews the fake nodes' leases; when real engines load the two cores, a late
+                # renewal made the node controller mark every pod on a healthy node NotReady, which
+                # emptied the Service for seconds. No test here simulates a node failure.
+                "--node-monitor-grace-period=10m",
             ],
         )
         scheduler = self._component(

@@ -91,7 +91,16 @@ class Load:
             self.endpoints = ready
             if len(ready) < self.min_ready_endpoints:
                 self.min_ready_endpoints = len(ready)
-                self.min_ready_seen = f"{time.strftime('%H:%M:%S')}: {slices}"
+                # Why the pods were not ready (which condition, set by whom) for the failure message.
+                why = {
+                    p["metadata"]["name"]: [
+                        (c["type"], c["status"], c.get("reason"), c.get("message"))
+                        for c in p["status"].get("conditions") or []
+                        if c["status"] != "True"
+                    ]
+                    for p in _pods(self.cp, self.namespace)
+                }
+                self.min_ready_seen = f"{time.strftime('%H:%M:%S')}: unready conditions {why}; slices {slices}"
             self.stop.wait(0.3)
 
     def client(self, worker: int) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
 from pydantic import ValidationError
 
@@ -30,7 +31,7 @@ PREWARM_BACKOFF_SECONDS = 5.0
 DRAIN_SECONDS = 30.0
 """How long a drained pod may finish its in-flight requests before it is evicted anyway (the engine drains too)."""
 HISTORY = 10
-ENDPOINT_PROPAGATION_SECONDS = 2.0
+ENDPOINT_PROPAGATION_SECONDS = float(os.environ.get("FLASHMODEL_ENDPOINT_PROPAGATION_SECONDS", "5"))
 """After the endpoint left the EndpointSlice, time for proxies and clients to stop using it."""
 
 REMEDIATIONS = Counter("flashmodel_operator_remediations_total", "Pods drained and evicted", ["reason"])
@@ -345,6 +346,26 @@ class PodWatch:
             self.cluster.event, pod, "Warning", decision.reason, "draining and evicting: " + decision.message
         )
         deadline = time.monotonic() + DRAIN_SECONDS
+        # Zero requests in flight means nothing while the Service still routes here: a request
+        # sent on a stale endpoint list after the eviction would meet a stopping engine (seen:
+        # HTTP 500 "cannot schedule new futures after shutdown"). First the address leaves the
+        # EndpointSlices, then proxies and clients get time to notice, then in-flight counts.
+        while time.monotonic() < deadline:
+            try:
+                routed = await self._api(self.cluster.serving_addresses, self.namespace, self.model)
+            except ApiException as exc:  # cannot tell: rely on the propagation wait alone
+                log.warning(
+                    "event=drain-endpoints-unknown model=%s/%s pod=%s error=%s",
+                    self.namespace,
+                    self.model,
+                    self.name,
+                    exc.status,
+                )
+                break
+            if shim.pod_ip not in routed:
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(max(0.0, min(ENDPOINT_PROPAGATION_SECONDS, deadline - time.monotonic())))
         while time.monotonic() < deadline:
             metrics = await shim.metrics()
             if metrics is None or metrics.requests_running + metrics.requests_waiting == 0:

@@ -51,6 +51,7 @@ class ShimClient:
 
     def __init__(self, session: aiohttp.ClientSession, pod_ip: str, port: int = SHIM_PORT) -> None:
         self.session = session
+        self.pod_ip = pod_ip
         self.base = f"http://{pod_ip}:{port}"
 
     async def _status(self, path: str, timeout: float) -> int:
