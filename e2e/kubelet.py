@@ -440,5 +440,15 @@ class EngineKubelet:
     def engine_tree(self, name: str) -> list[int]:
         """PIDs of the pod's process tree (launcher, shim, vLLM server, engine core, workers)."""
         pod = self.pods[name]
-        out = subprocess.run(["ps", "-o", "pid=", "-g", str(os.getpgid(pod.proc.pid))], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        # By parentage, not session: the launcher starts vLLM in a session of its own.
+        out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True)
+        children: dict[int, list[int]] = {}
+        for line in out.stdout.splitlines():
+            pid, ppid = map(int, line.split())
+            children.setdefault(ppid, []).append(pid)
+        tree, todo = [], [pod.proc.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children.get(pid, [])
+        return tree
