@@ -636,6 +636,9 @@ class ControlPlane:
     def delete_namespace(self, name: str, timeout: float = 120) -> None:
         """Deletes a namespace and waits until it is gone, so its pods no longer hold any node."""
         self.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+        # Pods no kubelet runs (kwok told to leave them alone, none of e2e/kubelet.py's) would stay
+        # Terminating for ever and hold the namespace; a real cluster's pod GC removes such pods.
+        self.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", "--wait=false", check=False)
         wait_until(
             f"namespace {name} deleted",
             lambda: self.kubectl("get", "namespace", name, check=False).returncode != 0,

@@ -174,9 +174,7 @@ def healing(
 ) -> Iterator[tuple[str, EngineKubelet]]:
     ns = control_plane.create_namespace("healing")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(
-        control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV
-    ) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
         spec = {
             "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
             "accelerator": "cpu",
@@ -320,6 +318,53 @@ def test_hung_generation_is_remediated(control_plane: ControlPlane, healing: tup
     assert len(entries) == before + 1 and entries[-1]["pod"] == target and entries[-1]["reason"] == "GenerationHung"
 
 
+def test_engine_restart_rearms_the_prewarm_gate(
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
+) -> None:
+    ns, kubelet = healing
+    wait_for("model ready", lambda: _ready_model(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
+    target = sorted(kubelet.pods)[0]
+    launcher = kubelet.pods[target].proc.pid
+    # vLLM's API server dies (as on a CUDA error); the launcher exits with its code and the kubelet
+    # restarts the container in the same pod: cold again, so off traffic until prewarmed again.
+    servers = [
+        pid
+        for pid in kubelet.engine_tree(target)
+        if pid != launcher and "vllm.entrypoints.openai.api_server" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    assert servers, "vLLM's API server process not found in the pod's process tree"
+    os.kill(servers[0], signal.SIGKILL)
+
+    def restarted_pod() -> dict[str, Any]:
+        pod = next((p for p in _pods(control_plane, ns) if p["metadata"]["name"] == target), None)
+        statuses = (pod or {}).get("status", {}).get("containerStatuses") or [{}]
+        return pod if pod and statuses[0].get("restartCount", 0) >= 1 else {}
+
+    wait_for(f"{target} restarted in place", restarted_pod, timeout=120, interval=1)
+    events = wait_for(
+        "EngineRestarted event",
+        lambda: [
+            e
+            for e in get_json(control_plane, "events", "-n", ns, "--field-selector", f"involvedObject.name={target}")[
+                "items"
+            ]
+            if e["reason"] == "EngineRestarted"
+        ],
+        timeout=120,
+        interval=1,
+    )
+    assert "prewarming again" in events[0]["message"]
+    fm = wait_for(
+        "model Ready again, the restarted pod prewarmed again",
+        lambda: _ready_model(control_plane, ns, 2),
+        timeout=ENGINE_START_TIMEOUT,
+        interval=2,
+    )
+    assert target in {p["metadata"]["name"] for p in _pods(control_plane, ns)}, "restarted in place, not replaced"
+    entry = next(e for e in fm["status"]["pods"] if e["name"] == target)
+    assert entry["prewarmed"] is True and entry["warmTTFTMs"] > 0
+
+
 def test_deleting_the_model_stops_every_engine(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> None:
     ns, kubelet = healing
     pids = [p.proc.pid for p in kubelet.pods.values()]
@@ -327,3 +372,72 @@ def test_deleting_the_model_stops_every_engine(control_plane: ControlPlane, heal
     wait_for("no engine pods", lambda: not _pods(control_plane, ns) and not kubelet.pods, timeout=120, interval=1)
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet], tiny_model: Path
+) -> None:
+    ns, _ = healing
+    name = "badwarm"
+    # Every prewarm fails for real: its first prompt is longer than maxModelLen (vLLM answers 400).
+    spec = {
+        "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
+        "accelerator": "cpu",
+        "replicas": 1,
+        "engine": {
+            "blockSize": 32,
+            "dtype": "float32",
+            "maxModelLen": 512,
+            "maxNumBatchedTokens": 512,
+            "maxNumSeqs": 8,
+            "attentionBackend": "auto",
+        },
+        "prewarm": {"requests": 3, "maxTokens": 8, "timeoutSeconds": 60, "prompts": ["valve " * 1300]},
+        "tolerations": [KWOK_TOLERATION],
+        "podTemplatePatch": {
+            "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
+            "spec": {"terminationGracePeriodSeconds": 5},
+        },
+    }
+    doc = {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+    def pods() -> list[str]:
+        items = get_json(control_plane, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={name}")["items"]
+        return [p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    first = wait_for("the first badwarm pod", pods, timeout=60)[0]
+    replaced = wait_for(
+        "PrewarmFailed replacement event",
+        lambda: [
+            e
+            for e in get_json(control_plane, "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")[
+                "items"
+            ]
+            if e["reason"] == "PrewarmFailed" and "replaced after 3 failed prewarms" in e["message"]
+        ],
+        timeout=ENGINE_START_TIMEOUT,
+        interval=2,
+    )
+    assert first in replaced[0]["message"] and "400" in replaced[0]["message"]
+    wait_for(f"{first} gone, another pod in its place", lambda: (p := pods()) and first not in p, timeout=120)
+    attempts = [
+        e
+        for e in get_json(control_plane, "events", "-n", ns, "--field-selector", f"involvedObject.name={first}")[
+            "items"
+        ]
+        if e["reason"] == "PrewarmFailed"
+    ]
+    assert len(attempts) == 3, "three attempts (with back-off) before the pod is replaced"
+    # The gate never opened: no endpoint of this model's Service was ever ready.
+    slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={name}")["items"]
+    assert not [e for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")]
+    fm = get_json(control_plane, "flashmodel", name, "-n", ns)
+    assert next(c for c in fm["status"]["conditions"] if c["type"] == "Ready")["status"] == "False"
+    control_plane.kubectl("delete", "flashmodel", name, "-n", ns)
+    wait_for("badwarm engines stopped", lambda: not pods(), timeout=120, interval=1)

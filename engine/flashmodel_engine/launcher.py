@@ -119,7 +119,21 @@ class EngineProcess:
 
     async def wait(self) -> int:
         assert self._proc is not None
-        rc = await self._proc.wait()
+        exited = asyncio.ensure_future(self._proc.wait())
+        while not exited.done():
+            await asyncio.wait({exited}, timeout=0.5)
+            if not exited.done() and self._proc.returncode is not None:
+                # vLLM's main process is gone but its engine core and workers still hold our pipe,
+                # and asyncio's wait() returns only once the pipe closes (seen: the API server
+                # SIGKILLed, the launcher waiting for ever, the pod never restarted). Without
+                # their API server they cannot serve: end them so the pod can restart.
+                log.warning("event=engine-orphans-killed pid=%s rc=%s", self._proc.pid, self._proc.returncode)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), 5)
+                break
+        rc = self._proc.returncode if self._proc.returncode is not None else await exited
         if self._pump is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._pump, 5)
