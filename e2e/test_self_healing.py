@@ -168,6 +168,37 @@ def _ready_model(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
     return fm if ok else {}
 
 
+def _cpu_model(
+    ns: str, name: str, tiny_model: Path, *, replicas: int, grace_seconds: int, **blocks: dict[str, Any]
+) -> dict[str, Any]:
+    """A FlashModel on the cpu profile for the tiny model, its pods left to e2e/kubelet.py."""
+    spec: dict[str, Any] = {
+        "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
+        "accelerator": "cpu",
+        "replicas": replicas,
+        "engine": {
+            "blockSize": 32,
+            "dtype": "float32",
+            "maxModelLen": 512,
+            "maxNumBatchedTokens": 512,
+            "maxNumSeqs": 8,
+            "attentionBackend": "auto",
+        },
+        **blocks,
+        "tolerations": [KWOK_TOLERATION],
+        "podTemplatePatch": {
+            "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
+            "spec": {"terminationGracePeriodSeconds": grace_seconds},
+        },
+    }
+    return {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
+
+
 @pytest.fixture(scope="module")
 def healing(
     control_plane: ControlPlane, operator: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -175,38 +206,21 @@ def healing(
     ns = control_plane.create_namespace("healing")
     work = tmp_path_factory.mktemp("kubelet")
     with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
-        spec = {
-            "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
-            "accelerator": "cpu",
-            "replicas": 2,
-            "engine": {
-                "blockSize": 32,
-                "dtype": "float32",
-                "maxModelLen": 512,
-                "maxNumBatchedTokens": 512,
-                "maxNumSeqs": 8,
-                "attentionBackend": "auto",
-            },
-            "prewarm": {"requests": 3, "maxTokens": 8, "timeoutSeconds": 120},
-            "health": {"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
-            "remediation": {
+        doc = _cpu_model(
+            ns,
+            MODEL,
+            tiny_model,
+            replicas=2,
+            prewarm={"requests": 3, "maxTokens": 8, "timeoutSeconds": 120},
+            health={"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
+            remediation={
                 "divergenceRatio": 0.03,
                 "divergenceWindowSeconds": 10,
                 "hungReadinessSeconds": 20,
                 "maxRestartsPerHour": 2,
             },
-            "tolerations": [KWOK_TOLERATION],
-            "podTemplatePatch": {
-                "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
-                "spec": {"terminationGracePeriodSeconds": 20},
-            },
-        }
-        doc = {
-            "apiVersion": "serving.flashmodel.io/v1alpha1",
-            "kind": "FlashModel",
-            "metadata": {"name": MODEL, "namespace": ns},
-            "spec": spec,
-        }
+            grace_seconds=20,
+        )
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
         yield ns, kubelet
         control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)
@@ -380,31 +394,14 @@ def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
     ns, _ = healing
     name = "badwarm"
     # Every prewarm fails for real: its first prompt is longer than maxModelLen (vLLM answers 400).
-    spec = {
-        "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
-        "accelerator": "cpu",
-        "replicas": 1,
-        "engine": {
-            "blockSize": 32,
-            "dtype": "float32",
-            "maxModelLen": 512,
-            "maxNumBatchedTokens": 512,
-            "maxNumSeqs": 8,
-            "attentionBackend": "auto",
-        },
-        "prewarm": {"requests": 3, "maxTokens": 8, "timeoutSeconds": 60, "prompts": ["valve " * 1300]},
-        "tolerations": [KWOK_TOLERATION],
-        "podTemplatePatch": {
-            "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
-            "spec": {"terminationGracePeriodSeconds": 5},
-        },
-    }
-    doc = {
-        "apiVersion": "serving.flashmodel.io/v1alpha1",
-        "kind": "FlashModel",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-    }
+    doc = _cpu_model(
+        ns,
+        name,
+        tiny_model,
+        replicas=1,
+        prewarm={"requests": 3, "maxTokens": 8, "timeoutSeconds": 60, "prompts": ["valve " * 1300]},
+        grace_seconds=5,
+    )
     control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
 
     def pods() -> list[str]:
