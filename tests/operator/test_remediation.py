@@ -67,6 +67,14 @@ def test_one_at_a_time() -> None:
     assert d is not None and (d.action, d.reason) == ("hold", "RemediationInProgress")
 
 
+def test_the_hold_names_the_waiting_pod_not_the_one_being_drained() -> None:
+    # "b" diverges more, but it is the one being drained: the hold is about "a".
+    pods = [pod("a", divergent_for=99, ratio=0.1), pod("b", divergent_for=99, ratio=0.5)]
+    d = decide(pods, budget(in_flight="b"), SPEC, NOW)
+    assert d is not None and (d.action, d.pod, d.reason) == ("hold", "a", "RemediationInProgress")
+    assert decide([pod("b", divergent_for=99, ratio=0.5)], budget(in_flight="b"), SPEC, NOW) is None
+
+
 def test_restart_budget_holds() -> None:
     d = decide([pod("a", divergent_for=99, ratio=0.2)], budget(restarts_last_hour=2), SPEC, NOW)
     assert d is not None and (d.action, d.reason) == ("hold", "RestartBudgetExhausted")
