@@ -20,11 +20,15 @@ BUILTIN_PROMPTS = (
 FILLER = " the valve on line three was inspected and found within limits"
 # Tokens left free below the budget: detokenisation and the server's own accounting may differ by a few.
 BUDGET_MARGIN = 8
-# Requests sent at once before the last (warm) one. One-at-a-time warm-up never runs a batch of
-# several sequences, and the first such batch pays for its own kernel compilation: on the H200 in
-# --enforce-eager mode every stream in flight stalled 0.7-1.3 s, once, at the first concurrent
-# load (docs/benchmarks.md, SLO section). Paying it here keeps it off the first real burst.
-BATCH_REQUESTS = 4
+# Requests sent at once before the last (warm) one, at most (and at most maxNumSeqs). One-at-a-time
+# warm-up never runs a batch of several sequences, and in --enforce-eager mode each new kernel
+# variant is compiled when first met, stalling every stream in flight: on the H200 0.7-1.3 s at the
+# first concurrent load, and, after a prewarm batch of 4, 0.73 s once more at the first load of
+# ~20 sequences (docs/benchmarks.md, SLO section). Triton compiles a variant per integer
+# specialisation (an argument equal to 1, divisible by 16, or neither) and vLLM switches decode
+# kernels above a batch size, so the batch's answers have staggered lengths: the number of live
+# sequences steps down from the batch size through many counts, large and small.
+MAX_BATCH_REQUESTS = 96
 
 
 @dataclass(frozen=True)
@@ -132,11 +136,11 @@ def plan(prompts: list[str], requests: int, near_budget: str | None) -> list[tup
 
 async def run_prewarm(base_url: str, model: str, *, requests: int, prompts: list[str], max_tokens: int,
                       timeout_seconds: float, max_model_len: int,
-                      headers: dict[str, str] | None = None, batch: int = BATCH_REQUESTS) -> PrewarmResult:
+                      headers: dict[str, str] | None = None, batch: int = MAX_BATCH_REQUESTS) -> PrewarmResult:
     """Run the warm-up against vLLM's OpenAI server; never raises, the result says what failed.
 
     The plan's requests go one after the other; before the last (the warm measurement), `batch`
-    plain requests go at once so that a batch of several sequences has run too.
+    plain requests go at once, answers of 1..max_tokens tokens, so that batches of many sizes ran too.
     """
     start = time.perf_counter()
     ttfts: list[float] = []
@@ -157,8 +161,9 @@ async def run_prewarm(base_url: str, model: str, *, requests: int, prompts: list
         for i, (prompt, chat) in enumerate(steps):
             if i == len(steps) - 1 and len(steps) > 1 and batch > 1:
                 base = prompts or list(BUILTIN_PROMPTS)
-                together = [{"model": model, "max_tokens": max_tokens, "temperature": 0, "prompt": base[k % len(base)]}
-                            for k in range(batch)]
+                # ignore_eos: each answer runs to its own length, so the batch shrinks step by step.
+                together = [{"model": model, "max_tokens": 1 + k % max_tokens, "ignore_eos": True, "temperature": 0,
+                             "prompt": base[k % len(base)]} for k in range(batch)]
                 results = await asyncio.gather(*(stream_request(session, base_url, p, headers) for p in together))
                 tokens += sum(r.completion_tokens for r in results)
                 batched = len(results)

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
-from flashmodel_engine.prewarm import PrewarmResult, run_prewarm
+from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
 from flashmodel_engine.profiles import resolve
 
 if TYPE_CHECKING:
@@ -79,7 +79,10 @@ class EngineShim:
         if config.auth is not None:
             key = Path(config.auth.api_key_file).read_text().strip()
             self.headers["Authorization"] = f"Bearer {key}"
-        self.max_model_len = resolve(config).max_model_len
+        resolved = resolve(config)
+        self.max_model_len = resolved.max_model_len
+        self.prewarm_batch = min(MAX_BATCH_REQUESTS, resolved.max_num_seqs)
+        """Requests of prewarm's concurrent batch: more than the engine runs at once would only queue."""
         self.metrics = EngineMetrics(config.remediation)
         self.memory = MemoryReader()
         self.started = False
@@ -245,7 +248,8 @@ class EngineShim:
         log.info("event=prewarm-start requests=%d", requests)
         result = await run_prewarm(self.base_url, self.config.model.served_name, requests=requests,
                                    prompts=prompts, max_tokens=p.max_tokens, timeout_seconds=p.timeout_seconds,
-                                   max_model_len=self.max_model_len, headers=self.headers)
+                                   max_model_len=self.max_model_len, headers=self.headers,
+                                   batch=self.prewarm_batch)
         self._own_requests += result.requests + result.batched
         self._own_tokens += result.completion_tokens
         self.prewarm_result = result
