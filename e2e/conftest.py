@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import re
 import socket
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import ControlPlane
-from e2e.operator_run import chart_service_account, helm_install, running_operator, service_account_kubeconfig
+from e2e.operator_run import (
+    chart_service_account,
+    helm_install,
+    running_operator,
+    scrape,
+    service_account_kubeconfig,
+)
 
 RBAC_DENIAL = re.compile(r"forbidden: User .{0,200}? cannot ", re.IGNORECASE)
 
@@ -34,14 +38,7 @@ def operator_metric(operator: Path, operator_metrics_port: int) -> OperatorMetri
     """operator_metric(sample name, labels) -> its value scraped from the running operator now (0 if absent)."""
 
     def read(name: str, labels: dict[str, str]) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{operator_metrics_port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-        )
+        return scrape(f"http://127.0.0.1:{operator_metrics_port}/metrics", name, labels)
 
     return read
 

@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import ControlPlane
 
@@ -103,6 +105,18 @@ def running_operator(
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+
+
+def scrape(url: str, name: str, labels: dict[str, str]) -> float:
+    """The sum of the samples `name` whose labels include `labels`, read from a /metrics URL now (0 if none)."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def get_json(cp: ControlPlane, *args: str) -> Any:

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +20,13 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
+from flashmodel_operator.remediation import GENERATION_HUNG, MEMORY_DIVERGENCE
+from flashmodel_operator.render import PREWARM_GATE
 
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
 from e2e.conftest import OperatorMetric
 from e2e.kubelet import EngineKubelet
-from e2e.operator_run import get_json, wait_for
+from e2e.operator_run import get_json, scrape, wait_for
 
 pytestmark = [
     pytest.mark.vllm,
@@ -74,9 +74,9 @@ class Load:
     refused: int = 0
     min_ready_endpoints: int = 99
     min_ready_seen: str = ""
+    """When the fewest ready endpoints were seen, and the EndpointSlices then (for the failure message)."""
     drained_at_zero: list[str] = field(default_factory=list)
     """Moments with no ready endpoint while the operator had a pod drained (its gate off for a remediation)."""
-    """When the fewest ready endpoints were seen, and the EndpointSlices then (for the failure message)."""
     stop: threading.Event = field(default_factory=threading.Event)
     endpoints: list[str] = field(default_factory=list)
 
@@ -98,9 +98,9 @@ class Load:
                     p["metadata"]["name"]
                     for p in _pods(self.cp, self.namespace)
                     for c in p["status"].get("conditions") or []
-                    if c["type"] == "serving.flashmodel.io/prewarmed"
+                    if c["type"] == PREWARM_GATE
                     and c["status"] != "True"
-                    and c.get("reason") in ("MemoryDivergence", "GenerationHung")
+                    and c.get("reason") in (MEMORY_DIVERGENCE, GENERATION_HUNG)
                 ]
                 if drained:
                     self.drained_at_zero.append(f"{time.strftime('%H:%M:%S')}: drained {drained}")
@@ -173,7 +173,7 @@ def _pods(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
 
 def _gate(pod: dict[str, Any]) -> bool:
     return any(
-        c["type"] == "serving.flashmodel.io/prewarmed" and c["status"] == "True"
+        c["type"] == PREWARM_GATE and c["status"] == "True"
         for c in pod.get("status", {}).get("conditions") or []
     )
 
@@ -185,14 +185,7 @@ def _model_events(cp: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]
 
 def _divergence_signal(shim: str) -> bool:
     """The shim's own verdict, as the operator scrapes it: remediation recommended for memory divergence."""
-    with urllib.request.urlopen(f"{shim}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return any(
-        sample.value == 1
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "flashmodel_remediation_recommended" and sample.labels.get("reason") == "memory_divergence"
-    )
+    return scrape(f"{shim}/metrics", "flashmodel_remediation_recommended", {"reason": "memory_divergence"}) == 1
 
 
 def _ready_model(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
@@ -386,7 +379,7 @@ def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
     opened = next(
         c["lastTransitionTime"]
         for c in replacement["status"]["conditions"]
-        if c["type"] == "serving.flashmodel.io/prewarmed"
+        if c["type"] == PREWARM_GATE
     )
     assert opened <= entries[1]["time"], f"{second} evicted at {entries[1]['time']}, before {opened}"
     assert all(e["reason"] == "MemoryDivergence" and e["divergenceRatio"] >= 0.03 for e in entries)
