@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -62,6 +62,8 @@ class DecodeInputs:
     query_start_loc: torch.Tensor  # [batch + 1] int32
     context: int
     copies: int
+    plan: LaunchConfig = field(default_factory=lambda: LaunchConfig(block_q=1, block_n=16, num_splits=1))
+    """plan_launch's pick for this shape (set by bench_decode), for the side-by-side variants."""
 
 
 @dataclass
@@ -133,7 +135,11 @@ def decode_inputs(
     )
 
 
-def tile_kernel(x: DecodeInputs, scale: float, config: LaunchConfig | None = None) -> Kernel:
+def tile_kernel(
+    x: DecodeInputs, scale: float, config: LaunchConfig | None = None, max_query_len: int = 1
+) -> Kernel:
+    """Tile on copy i; ``max_query_len=2`` (a looser host bound) forces the searching, non-decode path."""
+
     def run(i: int) -> None:
         paged_attention(
             x.queries[i],
@@ -142,7 +148,7 @@ def tile_kernel(x: DecodeInputs, scale: float, config: LaunchConfig | None = Non
             x.tables[i],
             x.seq_lens,
             x.query_start_loc,
-            max_query_len=1,
+            max_query_len=max_query_len,
             max_seq_len=x.context,
             scale=scale,
             out=x.outs[i],
@@ -150,6 +156,23 @@ def tile_kernel(x: DecodeInputs, scale: float, config: LaunchConfig | None = Non
         )
 
     return run
+
+
+def copy_kernel(x: DecodeInputs) -> tuple[Kernel, int]:
+    """A device copy of one call's keys (read and written: as many bytes as K and V read once).
+
+    The ceiling for one kernel of this size: launch, ramp-up and drain cost the copy too. Its
+    destination is reused by every call, so at sizes that fit the L2 the copy is, if anything,
+    flattered; its fraction is an upper bound, not a goal the attention could be held to.
+    """
+    elements = x.tables.shape[1] * x.context * x.keys.shape[2] * x.keys.shape[3]
+    source = x.keys.view(-1)
+    target = torch.empty(elements, dtype=x.keys.dtype, device=x.keys.device)
+
+    def run(i: int) -> None:
+        target.copy_(source[i * elements : (i + 1) * elements])
+
+    return run, 2 * elements * x.keys.element_size()
 
 
 def vllm_triton_kernel(x: DecodeInputs, scale: float) -> Kernel:
@@ -305,6 +328,12 @@ def bench_decode(
     rows: list[dict[str, Any]] = []
     kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
         "tile": tile_kernel,
+        # The same plan through the kernel's searching path (what every decode took before the
+        # decode path), and with the split merge folded into the attention kernel: side by side.
+        "tile_searching": lambda x, scale: tile_kernel(x, scale, x.plan, max_query_len=2),
+        "tile_fused": lambda x, scale: tile_kernel(x, scale, replace(x.plan, fuse_merge=True)),
+        "tile_fused_2x": lambda x, scale: tile_kernel(
+            x, scale, replace(x.plan, fuse_merge=True, num_splits=min(2 * x.plan.num_splits, 32))),
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
@@ -328,12 +357,15 @@ def bench_decode(
                     bytes=batch * context * kv_heads * head_dim * 2 * 2 + 2 * batch * q_heads * head_dim * 2,
                 )
                 plan = plan_config(shape)
+                x.plan = plan
                 row.num_splits = plan.num_splits
                 row.plan = {"block_q": plan.block_q, "block_n": plan.block_n, "num_splits": plan.num_splits}
                 small = batch * context <= 16 * 4096
                 ref = decode_reference(x, scale, 0) if small else None
                 tile_out: torch.Tensor | None = None
                 for name, make in kernels.items():
+                    if name.startswith("tile_fused") and plan.num_splits == 1:
+                        continue  # nothing to merge
                     try:
                         x.outs.fill_(float("nan"))
                         run = make(x, scale)
@@ -351,6 +383,13 @@ def bench_decode(
                             row.rel_err_vs_float64[name] = relative_error(out0, ref)
                     except Exception as exc:  # one failing baseline must not end the run
                         row.errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+                try:
+                    run, moved = copy_kernel(x)
+                    seconds = time_graph(run, x.copies)
+                    row.us["copy"] = seconds * 1e6
+                    row.bandwidth_fraction["copy"] = moved / seconds / bandwidth
+                except Exception as exc:
+                    row.errors["copy"] = f"{type(exc).__name__}: {exc}"[:300]
                 if sweep:
                     for num_splits, sweep_block_n, tier in sweep_configs(shape, plan):
                         if tier > 0 and time.time() - t0 > sweep_budget_s:
@@ -391,7 +430,9 @@ def format_row(row: DecodeRow) -> str:
     return (
         f"{row.model:13s} b={row.batch:4d} ctx={row.context:5d} splits={row.num_splits:2d} "
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
-        f"tile_bw={frac:6.1%} triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
+        f"searching={us('tile_searching')}us fused={us('tile_fused')}us fused2x={us('tile_fused_2x')}us "
+        f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
+        f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "
         f"d_triton={row.rel_diff_vs_tile.get('vllm_triton', float('nan')):.1e} "
         f"d_fa3={row.rel_diff_vs_tile.get('fa3', float('nan')):.1e}"

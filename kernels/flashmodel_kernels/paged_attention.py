@@ -61,6 +61,7 @@ def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], written when not SPLIT_KV
     part_out_ptr,  # [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD] fp32, when SPLIT_KV
     part_lse_ptr,  # [num_tokens, num_q_heads, num_splits] fp32 log2-sum-exp2, when SPLIT_KV
+    arrivals_ptr,  # [tile slots * num_kv_heads] int32, zero between calls, when FUSE_MERGE
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
     v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
@@ -92,6 +93,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    DECODE: tl.constexpr,
+    FUSE_MERGE: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
@@ -99,24 +102,34 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Sequence s owns tile slots [qsl[s] // BLOCK_Q + s, qsl[s + 1] // BLOCK_Q + s + 1): at least
-    # cdiv(query_len, BLOCK_Q) of them, so the grid is num_tokens // BLOCK_Q + num_seqs without a
-    # host-side pass over the batch. Find the last sequence whose first slot is <= tile_id.
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        mid_first_slot = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if mid_first_slot <= tile_id:
-            lo = mid
-        else:
-            hi = mid - 1
-    seq = lo
-    q_begin = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
-    q_tile = tile_id - (q_begin // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= query_len:
-        return  # a spare slot of this sequence
+    if DECODE:
+        # Every sequence brings exactly one token (the host checked num_tokens == num_seqs with
+        # max_query_len 1), so program i is sequence i and token i: no search. This shortens the
+        # chain of dependent loads in front of the first K/V tile from about a dozen to two
+        # (sequence length, then page numbers), which is most of a short decode call's fixed cost.
+        seq = tile_id
+        q_begin = tile_id
+        query_len = 1
+        q_tile = 0
+    else:
+        # Sequence s owns tile slots [qsl[s] // BLOCK_Q + s, qsl[s + 1] // BLOCK_Q + s + 1): at
+        # least cdiv(query_len, BLOCK_Q) of them, so the grid is num_tokens // BLOCK_Q + num_seqs
+        # without a host-side pass over the batch. Find the last sequence whose first slot is <= tile_id.
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            mid_first_slot = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if mid_first_slot <= tile_id:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        q_begin = tl.load(query_start_loc_ptr + seq)
+        query_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+        q_tile = tile_id - (q_begin // BLOCK_Q + seq)
+        if q_tile * BLOCK_Q >= query_len:
+            return  # a spare slot of this sequence
 
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
@@ -215,6 +228,43 @@ def _paged_attention_kernel(
         )
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+        if FUSE_MERGE:
+            # The last split of this tile to finish merges all of them, so no second kernel
+            # (its launch and its own chain of loads) follows. Every thread's stores above are
+            # ordered before the arrival by the barrier and the release; the acquire orders the
+            # merging program's loads after every other split's release.
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + tile_id * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.debug_barrier()
+                first_row = (tok_global * num_q_heads + q_head) * num_splits
+                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                w_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+                merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+                for part in range(num_splits):
+                    # .cg: other programs wrote these; read them from L2, never a stale L1 line.
+                    part_lse = tl.load(part_lse_ptr + first_row + part, mask=row_valid,
+                                       other=float("-inf"), cache_modifier=".cg")
+                    part_out = tl.load(
+                        part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg",
+                    )
+                    m_next = tl.maximum(m_all, part_lse)
+                    m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)
+                    scale_old = tl.exp2(m_all - m_safe)
+                    weight = tl.exp2(part_lse - m_safe)
+                    w_all = w_all * scale_old + weight
+                    merged = merged * scale_old[:, None] + part_out * weight[:, None]
+                    m_all = m_next
+                merged = merged / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
+                o_rows = tok_global * stride_o_tok + q_head * stride_o_head
+                tl.store(
+                    out_ptr + o_rows[:, None] + offs_d[None, :],
+                    merged.to(out_ptr.dtype.element_ty),
+                    mask=row_valid[:, None] & dim_valid[None, :],
+                )
+                tl.store(arrivals, 0)  # zero again for the next call: no memset per call
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -263,6 +313,8 @@ class LaunchConfig:
     """Parts the key range is cut into (split-KV); 1 writes the output directly, no merge."""
     num_warps: int = 4
     num_stages: int = 2
+    fuse_merge: bool = False
+    """Split results merged by the last split to finish, in the same kernel, not by a second one."""
 
 
 @lru_cache(maxsize=8)
@@ -270,6 +322,29 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: a small "GPU", so CI exercises split-KV on small shapes
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
+MIN_ARRIVAL_COUNTERS = 4096
+"""Counters allocated at least: a split plan has fewer programs than 2 x SMs, far below this."""
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """Zeroed int32 counters for the fused merge, one set per device and stream, kept across calls.
+
+    The merging program zeroes its counter again, so they stay zero between calls without a
+    memset. None (use the merge kernel) when more are needed while a CUDA graph is being captured:
+    a buffer allocated there would belong to the graph's memory pool.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(needed, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = counters
+    return counters
 
 
 def plan_launch(
@@ -384,11 +459,15 @@ def paged_attention(
         part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # never touched: without SPLIT_KV that branch is compiled out
-    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
+    # A pure decode batch (one new token per sequence) takes the kernel's search-free path.
+    decode = max_query_len <= 1 and num_tokens == num_seqs
+    grid = (num_seqs if decode else num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
+    arrivals = _arrival_counters(query.device, grid[0] * num_kv_heads) if splits > 1 and config.fuse_merge else None
     _paged_attention_kernel[grid](
         out,
         part_out,
         part_lse,
+        seq_lens if arrivals is None else arrivals,  # never touched without FUSE_MERGE
         query,
         key_cache,
         value_cache,
@@ -414,11 +493,13 @@ def paged_attention(
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
         SPLIT_KV=splits > 1,
+        DECODE=decode,
+        FUSE_MERGE=arrivals is not None,
         INTERPRETER_BF16=INTERPRETING and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and arrivals is None:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             out,
             part_out,

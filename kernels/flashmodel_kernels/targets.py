@@ -33,7 +33,7 @@ T4_SHARED_MEMORY_BYTES = 64 * 1024
 """The most shared memory one block may use on sm_75."""
 
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+_INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "arrivals_ptr"}
 _FP32_POINTERS = {"part_out_ptr", "part_lse_ptr"}
 
 
@@ -105,15 +105,18 @@ def compile_tile_attention(
     queries_per_kv: int,
     config: LaunchConfig,
     arch: int = 75,
+    decode: bool = False,
 ) -> list[CompileReport]:
     """Compile the attention kernel (and the split merge, when ``config`` splits) for ``sm_{arch}``.
+
+    ``decode`` compiles the search-free path taken by batches of one new token per sequence.
 
     Under ``TRITON_INTERPRET=1`` Triton's own library functions are interpreter objects that
     the compiler cannot inline, so the compile then runs in a child process without it.
     """
     if INTERPRETING:
         return _compile_in_child(
-            dtype=dtype, head_dim=head_dim, queries_per_kv=queries_per_kv, config=config, arch=arch
+            dtype=dtype, head_dim=head_dim, queries_per_kv=queries_per_kv, config=config, arch=arch, decode=decode
         )
     head_dim_pad = triton.next_power_of_2(head_dim)
     attention = dict(
@@ -125,10 +128,12 @@ def compile_tile_attention(
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
         SPLIT_KV=int(config.num_splits > 1),
+        DECODE=int(decode),
+        FUSE_MERGE=int(config.num_splits > 1 and config.fuse_merge),
         INTERPRETER_BF16=0,
     )
     reports = [_compile(_paged_attention_kernel, dtype, attention, config.num_warps, config.num_stages, arch)]
-    if config.num_splits > 1:
+    if config.num_splits > 1 and not config.fuse_merge:
         merge = dict(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
@@ -139,7 +144,7 @@ def compile_tile_attention(
 
 
 def _compile_in_child(
-    *, dtype: torch.dtype, head_dim: int, queries_per_kv: int, config: LaunchConfig, arch: int
+    *, dtype: torch.dtype, head_dim: int, queries_per_kv: int, config: LaunchConfig, arch: int, decode: bool
 ) -> list[CompileReport]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # The child must import this very package, wherever it was imported from (pytest's pythonpath).
@@ -167,6 +172,8 @@ def _compile_in_child(
         str(config.num_warps),
         "--num-stages",
         str(config.num_stages),
+        *(["--decode"] if decode else []),
+        *(["--fuse-merge"] if config.fuse_merge else []),
     ]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -186,10 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-splits", type=int, default=1)
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--decode", action="store_true", help="the one-token-per-sequence path")
+    parser.add_argument("--fuse-merge", action="store_true", help="splits merged inside the attention kernel")
     a = parser.parse_args(argv)
-    config = LaunchConfig(a.block_q, a.block_n, a.num_splits, a.num_warps, a.num_stages)
+    config = LaunchConfig(a.block_q, a.block_n, a.num_splits, a.num_warps, a.num_stages, a.fuse_merge)
     reports = compile_tile_attention(
-        dtype=getattr(torch, a.dtype), head_dim=a.head_dim, queries_per_kv=a.queries_per_kv, config=config, arch=a.arch
+        dtype=getattr(torch, a.dtype), head_dim=a.head_dim, queries_per_kv=a.queries_per_kv, config=config, arch=a.arch,
+        decode=a.decode,
     )
     print(json.dumps([dataclasses.asdict(r) for r in reports]))
 

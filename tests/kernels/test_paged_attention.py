@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, plan_launch
+from flashmodel_kernels.paged_attention import _ARRIVALS, LaunchConfig, paged_attention, plan_launch
 from flashmodel_kernels.reference import (
     PagedBatch,
     random_paged_batch,
@@ -19,7 +19,14 @@ from flashmodel_kernels.reference import (
 TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
-def run_and_check(batch: PagedBatch, dtype: torch.dtype, seed_note: str, config: LaunchConfig | None = None) -> float:
+def run_and_check(
+    batch: PagedBatch,
+    dtype: torch.dtype,
+    seed_note: str,
+    config: LaunchConfig | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Runs the kernel (``max_query_len`` overrides the batch's host-side bound) and checks it."""
     # Poison: NaN in every output element, so one that the kernel does not write fails the check.
     out = torch.full_like(batch.query, float("nan"))
     result = paged_attention(
@@ -29,7 +36,7 @@ def run_and_check(batch: PagedBatch, dtype: torch.dtype, seed_note: str, config:
         batch.block_table,
         batch.seq_lens,
         batch.query_start_loc,
-        max_query_len=batch.max_query_len,
+        max_query_len=batch.max_query_len if max_query_len is None else max_query_len,
         max_seq_len=batch.max_seq_len,
         scale=batch.scale,
         out=out,
@@ -40,7 +47,7 @@ def run_and_check(batch: PagedBatch, dtype: torch.dtype, seed_note: str, config:
     assert unwritten == 0, f"{unwritten} output elements not written ({seed_note})"
     err = relative_error(out, reference_attention(batch))
     assert err < TOLERANCE[dtype], f"relative error {err:.3e} >= {TOLERANCE[dtype]:.0e} ({seed_note})"
-    return err
+    return out
 
 
 def make(
@@ -106,6 +113,36 @@ def test_split_kv_merges_exactly(splits: int, block_n: int, device: str, generat
     # 17 (not a power of two, one 16-key tile per split) checks the merge masks its padded slots.
     batch, note = make([1, 1, 3], [300, 19, 150], group=6, device=device, generator=generator)
     run_and_check(batch, torch.float16, note, LaunchConfig(block_q=2, block_n=block_n, num_splits=splits))
+
+
+@pytest.mark.parametrize(("splits", "block_n"), [(2, 32), (8, 32), (17, 16)])
+@pytest.mark.parametrize("query_lens", [[1, 1, 3], [1, 1, 1, 1]])
+def test_fused_merge_equals_the_merge_kernel(
+    splits: int, block_n: int, query_lens: list[int], device: str, generator: torch.Generator
+) -> None:
+    # The last split to arrive merges inside the attention kernel; the same splits merged by the
+    # second kernel must give the same output, and the counters must be left at zero (twice:
+    # the second call finds the counters the first one reset).
+    batch, note = make(query_lens, [300, 19, 150, 0][: len(query_lens)], group=6, device=device, generator=generator)
+    separate = run_and_check(batch, torch.float16, note, LaunchConfig(2, block_n, splits))
+    for _ in range(2):
+        fused = run_and_check(batch, torch.float16, note, LaunchConfig(2, block_n, splits, fuse_merge=True))
+        torch.testing.assert_close(fused, separate, rtol=1e-3, atol=1e-3, msg=note)
+        assert all(int(c.count_nonzero()) == 0 for c in _ARRIVALS.values()), "an arrival counter was left set"
+
+
+@pytest.mark.parametrize(("splits", "block_n"), [(1, 64), (3, 32), (17, 16)])
+def test_decode_path_equals_the_searching_path(
+    splits: int, block_n: int, device: str, generator: torch.Generator
+) -> None:
+    # A batch of one token per sequence takes the search-free decode path; told a looser bound
+    # (max_query_len 2, as a host may) the same batch goes through the searching path. Same tiles,
+    # same arithmetic: the outputs must be identical, split or not, empty context included.
+    batch, note = make([1, 1, 1, 1], [300, 19, 150, 0], group=7, device=device, generator=generator)
+    config = LaunchConfig(block_q=2, block_n=block_n, num_splits=splits)
+    decode = run_and_check(batch, torch.float16, note, config)
+    searching = run_and_check(batch, torch.float16, note, config, max_query_len=2)
+    assert torch.equal(decode, searching), note
 
 
 def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
