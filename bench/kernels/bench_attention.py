@@ -135,11 +135,7 @@ def decode_inputs(
     )
 
 
-def tile_kernel(
-    x: DecodeInputs, scale: float, config: LaunchConfig | None = None, max_query_len: int = 1
-) -> Kernel:
-    """Tile on copy i; ``max_query_len=2`` (a looser host bound) forces the searching, non-decode path."""
-
+def tile_kernel(x: DecodeInputs, scale: float, config: LaunchConfig | None = None) -> Kernel:
     def run(i: int) -> None:
         paged_attention(
             x.queries[i],
@@ -148,7 +144,7 @@ def tile_kernel(
             x.tables[i],
             x.seq_lens,
             x.query_start_loc,
-            max_query_len=max_query_len,
+            max_query_len=1,
             max_seq_len=x.context,
             scale=scale,
             out=x.outs[i],
@@ -328,10 +324,11 @@ def bench_decode(
     rows: list[dict[str, Any]] = []
     kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
         "tile": tile_kernel,
-        # The same plan through the kernel's searching path (what every decode took before the
-        # decode path), and with the split merge folded into the attention kernel: side by side.
-        "tile_searching": lambda x, scale: tile_kernel(x, scale, x.plan, max_query_len=2),
-        "tile_fused": lambda x, scale: tile_kernel(x, scale, replace(x.plan, fuse_merge=True)),
+        # The plan's pick with each of its two newest choices turned the other way, side by side:
+        # the searching path for the decode path (or back), the merge kernel for the fused merge
+        # (or back), and the fused merge at twice the splits.
+        "tile_other_path": lambda x, scale: tile_kernel(x, scale, replace(x.plan, decode_path=not x.plan.decode_path)),
+        "tile_other_merge": lambda x, scale: tile_kernel(x, scale, replace(x.plan, fuse_merge=not x.plan.fuse_merge)),
         "tile_fused_2x": lambda x, scale: tile_kernel(
             x, scale, replace(x.plan, fuse_merge=True, num_splits=min(2 * x.plan.num_splits, 32))),
         "vllm_triton": vllm_triton_kernel,
@@ -364,7 +361,7 @@ def bench_decode(
                 ref = decode_reference(x, scale, 0) if small else None
                 tile_out: torch.Tensor | None = None
                 for name, make in kernels.items():
-                    if name.startswith("tile_fused") and plan.num_splits == 1:
+                    if name in ("tile_other_merge", "tile_fused_2x") and plan.num_splits == 1:
                         continue  # nothing to merge
                     try:
                         x.outs.fill_(float("nan"))
@@ -430,7 +427,8 @@ def format_row(row: DecodeRow) -> str:
     return (
         f"{row.model:13s} b={row.batch:4d} ctx={row.context:5d} splits={row.num_splits:2d} "
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
-        f"searching={us('tile_searching')}us fused={us('tile_fused')}us fused2x={us('tile_fused_2x')}us "
+        f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
+        f"fused2x={us('tile_fused_2x')}us "
         f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
         f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "
@@ -584,11 +582,15 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--min-batch", type=int, default=1, help="decode batches from this size")
+    parser.add_argument("--min-context", type=int, default=512, help="decode contexts from this length")
     parser.add_argument("--sweep", action="store_true", help="also time tile at other (splits, block_n) per shape")
     parser.add_argument(
         "--sweep-budget-s", type=float, default=float("inf"), help="decode seconds after which sweep tiers 1-2 stop"
     )
     args = parser.parse_args()
+    BATCHES[:] = [b for b in BATCHES if b >= args.min_batch]
+    CONTEXTS[:] = [c for c in CONTEXTS if c >= args.min_context]
     device = torch.device("cuda")
     path = os.path.join(args.out, "bench_attention.json")
 

@@ -15,7 +15,9 @@ Each program owns one kv head, ``BLOCK_Q`` query tokens of one sequence and ever
 shares that kv head (GQA), so the K/V tile it loads is reused by ``QUERIES_PER_KV`` heads, and one
 contiguous part of the key range (split-KV). The softmax is the exact online softmax: a running
 maximum and sum per row, rescaled whenever a tile raises the maximum, so tile edges change nothing
-but fp32 rounding. Split results are merged by a second kernel from their log-sum-exp.
+but fp32 rounding. Split results are merged from their log-sum-exp, by the last split of each
+tile to finish (``fuse_merge``) or by a second kernel. A pure decode batch (one new token per
+sequence) can skip the search that maps programs to sequences (``decode_path``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ PROGRAMS_PER_SM = 2.0
 """Decode splits the key range until there are about this many programs per multiprocessor."""
 
 MAX_SPLITS = 32
+
+MAX_FUSED_SPLITS = 10
+"""Split launches of 2..10 parts merge inside the attention kernel: the largest count timed fused.
+
+H200 runs 5a/5b (2026-12-03, bench/kernels/results/h200-2026-12-03-run5*), the 15 split shapes
+of batch >= 32 / context >= 1024: fused equal or faster than the merge kernel on all 15 (by up
+to 5.1 us of 49), at 2-5 splits and at twice that (4-10). The merging program reads its splits
+one after another, so far more splits than were timed are left to the merge kernel.
+"""
 
 FIT_BLOCK_N_TO_SPLIT = True
 """Decode key tiles no longer than one split: a 32-key split read with 64-key tiles loads half masked keys."""
@@ -315,6 +326,8 @@ class LaunchConfig:
     num_stages: int = 2
     fuse_merge: bool = False
     """Split results merged by the last split to finish, in the same kernel, not by a second one."""
+    decode_path: bool = True
+    """A pure decode batch takes the search-free path (program i is sequence i); False searches."""
 
 
 @lru_cache(maxsize=8)
@@ -398,7 +411,16 @@ def plan_launch(
         keys_per_split = math.ceil(max_seq_len / splits)
         while block_n > 16 and block_n > keys_per_split:
             block_n //= 2
-    return LaunchConfig(block_q=block_q, block_n=block_n, num_splits=splits)
+    # Measured side by side (runs 5a/5b, see MAX_FUSED_SPLITS): the search-free decode path is
+    # faster where the launch splits (short programs, so the loads in front of the first tile
+    # show), but 5-8 % slower at 7B batch 256, which does not split: there the searching path stays.
+    return LaunchConfig(
+        block_q=block_q,
+        block_n=block_n,
+        num_splits=splits,
+        fuse_merge=1 < splits <= MAX_FUSED_SPLITS,
+        decode_path=splits > 1,
+    )
 
 
 def paged_attention(
@@ -459,8 +481,8 @@ def paged_attention(
         part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # never touched: without SPLIT_KV that branch is compiled out
-    # A pure decode batch (one new token per sequence) takes the kernel's search-free path.
-    decode = max_query_len <= 1 and num_tokens == num_seqs
+    # A pure decode batch (one new token per sequence) may take the kernel's search-free path.
+    decode = config.decode_path and max_query_len <= 1 and num_tokens == num_seqs
     grid = (num_seqs if decode else num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
     arrivals = _arrival_counters(query.device, grid[0] * num_kv_heads) if splits > 1 and config.fuse_merge else None
     _paged_attention_kernel[grid](

@@ -128,7 +128,7 @@ def compile_tile_attention(
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
         SPLIT_KV=int(config.num_splits > 1),
-        DECODE=int(decode),
+        DECODE=int(decode and config.decode_path),
         FUSE_MERGE=int(config.num_splits > 1 and config.fuse_merge),
         INTERPRETER_BF16=0,
     )

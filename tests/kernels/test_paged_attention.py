@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-from flashmodel_kernels.paged_attention import _ARRIVALS, LaunchConfig, paged_attention, plan_launch
+from flashmodel_kernels.paged_attention import (
+    _ARRIVALS,
+    MAX_FUSED_SPLITS,
+    LaunchConfig,
+    paged_attention,
+    plan_launch,
+)
 from flashmodel_kernels.reference import (
     PagedBatch,
     random_paged_batch,
@@ -135,14 +142,16 @@ def test_fused_merge_equals_the_merge_kernel(
 def test_decode_path_equals_the_searching_path(
     splits: int, block_n: int, device: str, generator: torch.Generator
 ) -> None:
-    # A batch of one token per sequence takes the search-free decode path; told a looser bound
-    # (max_query_len 2, as a host may) the same batch goes through the searching path. Same tiles,
-    # same arithmetic: the outputs must be identical, split or not, empty context included.
+    # One token per sequence: the search-free decode path and the searching path run the same
+    # tiles and the same arithmetic, so the outputs must be identical, split or not, empty
+    # context included. A looser host bound (max_query_len 2, as a host may give) must search.
     batch, note = make([1, 1, 1, 1], [300, 19, 150, 0], group=7, device=device, generator=generator)
     config = LaunchConfig(block_q=2, block_n=block_n, num_splits=splits)
     decode = run_and_check(batch, torch.float16, note, config)
-    searching = run_and_check(batch, torch.float16, note, config, max_query_len=2)
+    searching = run_and_check(batch, torch.float16, note, replace(config, decode_path=False))
+    loose_bound = run_and_check(batch, torch.float16, note, config, max_query_len=2)
     assert torch.equal(decode, searching), note
+    assert torch.equal(decode, loose_bound), note
 
 
 def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
@@ -231,6 +240,17 @@ class TestPlanLaunch:
 
     def test_large_decode_batch_does_not_split(self) -> None:
         assert self.plan(num_seqs=256, num_tokens=256).num_splits == 1
+
+    def test_decode_path_and_fused_merge_where_they_were_measured_faster(self) -> None:
+        # H200 runs 5a/5b: both faster on split launches; the decode path slower unsplit (7B, 256).
+        split = self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024)
+        assert 1 < split.num_splits <= MAX_FUSED_SPLITS
+        assert split.decode_path and split.fuse_merge
+        whole = self.plan(num_seqs=256, num_tokens=256, num_kv_heads=4, queries_per_kv=7)
+        assert whole.num_splits == 1 and not whole.decode_path and not whole.fuse_merge
+        # Far more splits than were timed fused go to the merge kernel.
+        many = self.plan(num_seqs=1, num_tokens=1, max_seq_len=4096)
+        assert many.num_splits > MAX_FUSED_SPLITS and many.decode_path and not many.fuse_merge
 
     def test_short_context_does_not_split_below_min_length(self) -> None:
         # 60 keys hold one 32-key split (MIN_TOKENS_PER_SPLIT), not two.
