@@ -127,7 +127,8 @@ async def test_failures_are_errors_with_a_reason(fake_server: str, mode: str, ki
 async def test_a_stall_mid_stream_is_measured(fake_server: str) -> None:
     r = await _one(fake_server, "stall")
     assert r.ok and r.output_tokens == 4
-    assert r.max_gap_s is not None and 0.28 <= r.max_gap_s < 0.6
+    # The fake server stalls 0.3 s; the bound above only says the whole request was not counted.
+    assert r.max_gap_s is not None and 0.28 <= r.max_gap_s < 1.5
     s = loadgen.summarize([r], 1.0)
     assert s["max_gap_p99_ms"] is not None and s["max_gap_p99_ms"] >= 280
 

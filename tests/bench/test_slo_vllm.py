@@ -194,7 +194,7 @@ async def test_open_loop_run_streams_fixed_length_greedy_answers(vllm_url: str, 
     lags = [r.sent_s - r.scheduled_s for r in res]
     assert min(lags) >= -0.001 and max(lags) < 1.0
     p50 = loadgen.percentile(lags, 50)
-    assert p50 is not None and p50 < 0.05
+    assert p50 is not None and p50 < 0.1  # a closed loop would lag by whole answers (seconds)
     overlaps = sum(
         1 for prev, cur in itertools.pairwise(res) if prev.e2e_s is not None and cur.sent_s < prev.sent_s + prev.e2e_s
     )
