@@ -29,7 +29,7 @@ def test_fp16_kernels_fit_a_t4(head_dim: int, queries_per_kv: int, max_query_len
         dtype=torch.float16, head_dim=head_dim, queries_per_kv=queries_per_kv, config=config,
         decode=max_query_len == 1,
     )
-    assert len(reports) == (2 if config.num_splits > 1 else 1)
+    assert len(reports) == (2 if config.num_splits > 1 and not config.fuse_merge else 1)
     for report in reports:
         assert report.target == "sm_75"
         assert report.ptx_lines > 100, report  # a real kernel body, not an empty compile
