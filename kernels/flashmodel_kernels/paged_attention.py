@@ -53,9 +53,10 @@ MAX_FUSED_SPLITS = 10
 """Split launches of 2..10 parts merge inside the attention kernel: the largest count timed fused.
 
 H200 runs 5a/5b (2026-12-03, bench/kernels/results/h200-2026-12-03-run5*), the 15 split shapes
-of batch >= 32 / context >= 1024: fused equal or faster than the merge kernel on all 15 (by up
-to 5.1 us of 49), at 2-5 splits and at twice that (4-10). The merging program reads its splits
-one after another, so far more splits than were timed are left to the merge kernel.
+of batch >= 32 / context >= 1024: fused faster than the merge kernel on 14 of 15 (by up to
+5.0 us of 49; 0.1-0.2 us slower on the 15th), timed at 2-5 splits and at twice that (4-10). The
+merging program reads its splits one after another, so far more splits than were timed are left
+to the merge kernel.
 """
 
 FIT_BLOCK_N_TO_SPLIT = True
