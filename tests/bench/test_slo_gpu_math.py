@@ -101,6 +101,7 @@ def test_summary_rows_and_markdown_survive_a_failed_case() -> None:
                     "retried_rates": [96.0, 128.0],
                 },
                 "first10": {"ttft_ms": [900.0, 30.0]},
+                "sustained": {"seconds": 45.0, "passed": True, "summary": {"ttft_p99_ms": 270.5}},
             },
             "broken": {"shape": "7b", "error": "server did not come up"},
         }
@@ -110,6 +111,9 @@ def test_summary_rows_and_markdown_survive_a_failed_case() -> None:
     assert rows[0]["warmup_ttft_p99_ms"] == 1690.9 and rows[0]["retried_rps"] == "96,128"
     assert rows[1]["error"] == "server did not come up" and rows[1]["max_rps_at_slo"] is None
     assert rows[1]["warmup_ttft_p99_ms"] is None and rows[1]["retried_rps"] is None
+    sustained = (rows[0]["sustained_s"], rows[0]["sustained_passed"], rows[0]["sustained_ttft_p99_ms"])
+    assert sustained == (45.0, True, 270.5)
+    assert rows[1]["sustained_passed"] is None
     table = slo_gpu.markdown(rows)
     assert table.count("\n") == 3 and "| broken | 7b |" in table
 
