@@ -95,6 +95,9 @@ class Env:
     deadline: float = 0.0
     plugin_site: str = "/tmp/fmsite"  # pip install --no-deps --target here: the project's wheel
     sustain_s: float = 0.0  # after the search, hold the best rate this long (0: no sustained run)
+    trial_s: float = 0.0  # seconds per search trial (0: the default, 3 s on the GPU)
+    rate_start: float = 0.0  # the search's first rate (0: the default, 8 req/s on the GPU)
+    extras: bool = True  # shared-prefix and JSON points for the cases that have them
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -278,6 +281,23 @@ def _requests(res: list[loadgen.RequestResult]) -> list[dict[str, Any]]:
     return [dataclasses.asdict(r) | {"tpot_s": r.tpot_s} for r in res]
 
 
+def search_settings(case: Case, env: Env) -> loadgen.SearchSettings:
+    """The rate search for one case: doubling from the start rate, then two bisections."""
+    trial_s = env.trial_s or (2.0 if env.smoke else 3.0)
+    return loadgen.SearchSettings(
+        slo_ttft_ms=300.0,
+        rate_start=env.rate_start or (2.0 if env.smoke else 8.0),
+        rate_max=8.0 if env.smoke else 512.0,
+        bisect_steps=1 if env.smoke else 2,
+        trial_seconds=trial_s,
+        trial_min_requests=8 if env.smoke else 32,
+        # A trial holds its rate for trial_s whatever the rate: a longer trial shows the queue
+        # that a rate above capacity builds (3 s trials passed 192 req/s that 40 s did not hold).
+        trial_max_requests=(64 if env.smoke else 1024) * max(1, math.ceil(trial_s / 3.0)),
+        max_total_s=max(10.0, min(case.search_s, env.left() - 30)),
+    )
+
+
 async def measure(url: str, case: Case, env: Env, out: dict[str, Any]) -> None:
     """First 10 (cold), next 10 (warm), the SLO search and the extras, against a server that is up.
 
@@ -297,16 +317,7 @@ async def measure(url: str, case: Case, env: Env, out: dict[str, Any]) -> None:
             log("sequential", case=case.name, phase=phase, ttft_ms=out[phase]["ttft_ms"])
         mem = gpu_memory_mib()
         out["gpu_memory_used_mib"], out["gpu_memory_total_mib"] = mem if mem else (None, None)
-        settings = loadgen.SearchSettings(
-            slo_ttft_ms=300.0,
-            rate_start=2.0 if env.smoke else 8.0,
-            rate_max=8.0 if env.smoke else 512.0,
-            bisect_steps=1 if env.smoke else 2,
-            trial_seconds=2.0 if env.smoke else 3.0,
-            trial_min_requests=8 if env.smoke else 32,
-            trial_max_requests=64 if env.smoke else 1024,
-            max_total_s=max(10.0, min(case.search_s, env.left() - 30)),
-        )
+        settings = search_settings(case, env)
         limits = loadgen.RunLimits(request_timeout_s=60, max_in_flight=1024)
         search = await loadgen.search_max_rate(session, target, plain, settings, limits, seed=1)
         out["search"] = search
@@ -337,7 +348,7 @@ async def measure(url: str, case: Case, env: Env, out: dict[str, Any]) -> None:
                 errors=summary["errors"],
                 achieved_rps=summary["achieved_rps"],
             )
-        if case.extras and best:
+        if case.extras and env.extras and best:
             try:
                 await _extras(url, case.name, session, tok, target, env, settings, limits, best, out)
             except (ValueError, RuntimeError) as e:  # an extra that cannot run leaves the rest intact
@@ -766,6 +777,9 @@ def main() -> int:
     p.add_argument("--shim", action="store_true", help="add the launcher + shim case")
     p.add_argument("--search-s", type=float, default=None, help="every case's rate-search budget (seconds)")
     p.add_argument("--sustain-s", type=float, default=0.0, help="hold each case's best rate this long after the search")
+    p.add_argument("--trial-s", type=float, default=0.0, help="seconds per search trial (default 3)")
+    p.add_argument("--rate-start", type=float, default=0.0, help="the search's first rate (default 8 req/s)")
+    p.add_argument("--no-extras", action="store_true", help="skip the shared-prefix and JSON points")
     p.add_argument(
         "--prebuild",
         default="",
@@ -780,6 +794,9 @@ def main() -> int:
         smoke=a.smoke_cpu,
         port=18500 if a.smoke_cpu else 8000,
         sustain_s=a.sustain_s,
+        trial_s=a.trial_s,
+        rate_start=a.rate_start,
+        extras=not a.no_extras,
     )
     env.deadline = time.monotonic() + a.budget_s
     env.out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import slo_gpu
+from bench import loadgen, slo_gpu
 
 QWEN_1_5B: dict[str, object] = {
     "hidden_size": 1536,
@@ -139,3 +139,17 @@ def test_every_case_gets_empty_triton_and_vllm_caches(tmp_path: Path) -> None:
     assert again == env and not any(triton.iterdir())
     other = slo_gpu.fresh_caches(tmp_path, "t4-launcher-1.5b")
     assert other["TRITON_CACHE_DIR"] != env["TRITON_CACHE_DIR"]
+
+
+def test_longer_trials_hold_their_rate_for_their_whole_length(tmp_path: Path) -> None:
+    env = slo_gpu.Env(out=tmp_path, work=tmp_path, models=tmp_path, python="python3", smoke=False)
+    env.deadline = 10**9
+    case = slo_gpu.plan(smoke=False, tile=False, shim=False)[0]
+    default = slo_gpu.search_settings(case, env)
+    assert (default.trial_seconds, default.rate_start) == (3.0, 8.0)
+    env.trial_s, env.rate_start = 12.0, 32.0
+    longer = slo_gpu.search_settings(case, env)
+    assert (longer.trial_seconds, longer.rate_start) == (12.0, 32.0)
+    # At 192 req/s a 12 s trial sends 2304 requests: the cap must not cut it back to 3 s worth.
+    assert loadgen.trial_requests(192.0, longer) == 2304
+    assert loadgen.trial_requests(192.0, default) == 576
