@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from fit_splits import CANDIDATE_GRID, Shape, plan_config
 from fit_splits import plan as plan_rule
-from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention
+from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, wide_tiles_fit
 from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
 
 MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
@@ -358,7 +358,7 @@ def bench_decode(
                     copies=x.copies,
                     bytes=batch * context * kv_heads * head_dim * 2 * 2 + 2 * batch * q_heads * head_dim * 2,
                 )
-                plan = plan_config(shape)
+                plan = plan_config(shape, {"wide_tiles": wide_tiles_fit(device)})  # as paged_attention plans
                 x.plan = plan
                 row.num_splits = plan.num_splits
                 row.plan = {"block_q": plan.block_q, "block_n": plan.block_n, "num_splits": plan.num_splits}

@@ -59,6 +59,36 @@ merging program reads its splits one after another, so far more splits than were
 to the merge kernel.
 """
 
+MAX_FUSED_SPLITS_NARROW = 5
+"""With 64-key (or shorter) tiles, only launches of 2..5 splits fuse the merge.
+
+H200 run 6 (2026-12-03, bench/kernels/results/h200-2026-12-03-run6): at 9 splits of 64-key tiles
+(1.5B batch 16, contexts 512-4096) the merge kernel was 1.3-1.7 us faster than the fused merge on
+all four shapes; at 2-5 splits the fused merge was as fast or faster (runs 5a/5b, run 6).
+"""
+
+WIDE_BLOCK_N = 128
+"""Keys per loop step of a decode split on a GPU with the shared memory for it (``wide_tiles``).
+
+H200 run 6, side by side on the same inputs: at 3-32 splits with >= 128 keys per split, 128-key
+tiles were faster than 64-key tiles on all 20 such shapes (by 0.2-7.8 us, up to 15.5 %: 7B batch
+16 / 4096 42.4 vs 50.2 us); at 2 splits slower on all 8 (up to 18.9 %: 160.7 vs 135.1 us) and
+unsplit slower on all 12; so only launches of at least ``WIDE_TILE_MIN_SPLITS`` take them.
+Twice the keys per step halves a short split's dependent page-then-K/V round trips.
+"""
+WIDE_TILE_MIN_SPLITS = 3
+WIDE_TILE_SHARED_BYTES = 160 * 1024
+"""A 128-key step stages K and V (2 x 128 x 128 x 2 B) twice (2 stages): 128 KB plus the query.
+sm_80/sm_90 allow 163/227 KB per block; sm_86/89 (99 KB) and the T4 (64 KB) do not."""
+
+DECODE_PATH_MAX_PROGRAMS_PER_SM = 4.0
+"""An unsplit decode launch takes the search-free path up to this many programs per SM.
+
+H200 run 6: at 512 programs (3.9 per SM: 1.5B batch 256, 7B batch 128) the decode path was
+faster on all 8 shapes (0.4-3.7 us; 7B batch 128 / 512: 40.0 vs 43.7 us), at 1024 (7B batch 256)
+slower on all 4 (1.5-36.8 us), as in runs 5a/5b.
+"""
+
 FIT_BLOCK_N_TO_SPLIT = True
 """Decode key tiles no longer than one split: a 32-key split read with 64-key tiles loads half masked keys."""
 
@@ -256,11 +286,14 @@ def _paged_attention_kernel(
                 merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
                 for part in range(num_splits):
                     # .cg: other programs wrote these; read them from L2, never a stale L1 line.
-                    part_lse = tl.load(part_lse_ptr + first_row + part, mask=row_valid,
-                                       other=float("-inf"), cache_modifier=".cg")
+                    part_lse = tl.load(
+                        part_lse_ptr + first_row + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg"
+                    )
                     part_out = tl.load(
                         part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg",
+                        mask=row_valid[:, None],
+                        other=0.0,
+                        cache_modifier=".cg",
                     )
                     m_next = tl.maximum(m_all, part_lse)
                     m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)
@@ -332,6 +365,15 @@ class LaunchConfig:
 
 
 @lru_cache(maxsize=8)
+def wide_tiles_fit(device: torch.device) -> bool:
+    """Whether one program may stage 128-key K and V tiles (``WIDE_TILE_SHARED_BYTES``)."""
+    if device.type != "cuda" or INTERPRETING:
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)) >= WIDE_TILE_SHARED_BYTES
+
+
+@lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: a small "GPU", so CI exercises split-KV on small shapes
@@ -376,6 +418,7 @@ def plan_launch(
     max_splits: int = MAX_SPLITS,
     fit_block_n_to_split: bool = FIT_BLOCK_N_TO_SPLIT,
     decode_block_n: int | None = None,
+    wide_tiles: bool = False,
 ) -> LaunchConfig:
     """Choose the tiling for one call from host-side sizes only (no device sync, graph-safe).
 
@@ -385,6 +428,8 @@ def plan_launch(
     ``max_splits`` splits. A decode tile takes the most keys (BLOCK_N) the shared-memory budget
     allows, at most ``decode_block_n`` when given (a power of two >= 16), and with
     ``fit_block_n_to_split`` no more than one split holds, so short splits load no masked keys.
+    With ``wide_tiles`` (the GPU has the shared memory, see ``WIDE_BLOCK_N``) a launch of at least
+    ``WIDE_TILE_MIN_SPLITS`` splits takes 128-key tiles (head_dim <= 128).
     Prefill is compute-bound: a larger M reuses each K/V tile for more query rows. The keyword
     defaults are the rule in use, chosen from measurements (H200 run 2, see ``MIN_TOKENS_PER_SPLIT``);
     ``bench/kernels/fit_splits.py`` passes others to compare rules on measured data. The split count
@@ -406,21 +451,25 @@ def plan_launch(
     if programs < target:
         by_length = max(1, max_seq_len // max(1, min_tokens_per_split))
         splits = max(1, min(math.ceil(target / programs), by_length, max_splits))
+    if decode and wide_tiles and splits >= WIDE_TILE_MIN_SPLITS and triton.next_power_of_2(head_dim) <= 128:
+        block_n = WIDE_BLOCK_N
     if decode and decode_block_n is not None:
         block_n = max(16, min(block_n, triton.next_power_of_2(decode_block_n)))
     if decode and fit_block_n_to_split and splits > 1:
         keys_per_split = math.ceil(max_seq_len / splits)
         while block_n > 16 and block_n > keys_per_split:
             block_n //= 2
-    # Measured side by side (runs 5a/5b, see MAX_FUSED_SPLITS): the search-free decode path is
-    # faster where the launch splits (short programs, so the loads in front of the first tile
-    # show), but 5-8 % slower at 7B batch 256, which does not split: there the searching path stays.
+    # Measured side by side (runs 5a/5b and 6, see MAX_FUSED_SPLITS, MAX_FUSED_SPLITS_NARROW and
+    # DECODE_PATH_MAX_PROGRAMS_PER_SM): the search-free decode path is faster where the launch
+    # splits and, unsplit, up to about 4 programs per SM; above that (7B batch 256) it was 5-8 %
+    # slower, so the searching path stays there.
+    fused_limit = MAX_FUSED_SPLITS if block_n >= WIDE_BLOCK_N else MAX_FUSED_SPLITS_NARROW
     return LaunchConfig(
         block_q=block_q,
         block_n=block_n,
         num_splits=splits,
-        fuse_merge=1 < splits <= MAX_FUSED_SPLITS,
-        decode_path=splits > 1,
+        fuse_merge=1 < splits <= fused_limit,
+        decode_path=splits > 1 or programs <= DECODE_PATH_MAX_PROGRAMS_PER_SM * multiprocessors,
     )
 
 
@@ -472,6 +521,7 @@ def paged_attention(
             queries_per_kv=queries_per_kv,
             head_dim=head_dim,
             multiprocessors=_multiprocessors(query.device),
+            wide_tiles=wide_tiles_fit(query.device),
         )
     head_dim_pad = triton.next_power_of_2(head_dim)
     splits = config.num_splits

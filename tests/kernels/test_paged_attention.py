@@ -10,6 +10,8 @@ import torch
 from flashmodel_kernels.paged_attention import (
     _ARRIVALS,
     MAX_FUSED_SPLITS,
+    MAX_FUSED_SPLITS_NARROW,
+    WIDE_BLOCK_N,
     LaunchConfig,
     paged_attention,
     plan_launch,
@@ -114,7 +116,7 @@ def test_prefill_one_long_prompt_crosses_query_tiles(device: str, generator: tor
     run_and_check(batch, torch.bfloat16 if device == "cuda" else torch.float16, note)
 
 
-@pytest.mark.parametrize(("splits", "block_n"), [(2, 32), (3, 32), (8, 32), (17, 16)])
+@pytest.mark.parametrize(("splits", "block_n"), [(2, 32), (3, 32), (8, 32), (17, 16), (3, 128)])
 def test_split_kv_merges_exactly(splits: int, block_n: int, device: str, generator: torch.Generator) -> None:
     # 8 splits over a 20-token sequence leaves whole splits empty: their weight must be zero.
     # 17 (not a power of two, one 16-key tile per split) checks the merge masks its padded slots.
@@ -122,7 +124,7 @@ def test_split_kv_merges_exactly(splits: int, block_n: int, device: str, generat
     run_and_check(batch, torch.float16, note, LaunchConfig(block_q=2, block_n=block_n, num_splits=splits))
 
 
-@pytest.mark.parametrize(("splits", "block_n"), [(2, 32), (8, 32), (17, 16)])
+@pytest.mark.parametrize(("splits", "block_n"), [(2, 32), (8, 32), (17, 16), (3, 128)])
 @pytest.mark.parametrize("query_lens", [[1, 1, 3], [1, 1, 1, 1]])
 def test_fused_merge_equals_the_merge_kernel(
     splits: int, block_n: int, query_lens: list[int], device: str, generator: torch.Generator
@@ -242,15 +244,40 @@ class TestPlanLaunch:
         assert self.plan(num_seqs=256, num_tokens=256).num_splits == 1
 
     def test_decode_path_and_fused_merge_where_they_were_measured_faster(self) -> None:
-        # H200 runs 5a/5b: both faster on split launches; the decode path slower unsplit (7B, 256).
+        # H200 runs 5a/5b and 6: both faster on split launches of 2-5 parts; unsplit, the decode
+        # path is faster up to 512 programs (7B batch 128) and slower at 1024 (7B batch 256).
         split = self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024)
-        assert 1 < split.num_splits <= MAX_FUSED_SPLITS
+        assert 1 < split.num_splits <= MAX_FUSED_SPLITS_NARROW
         assert split.decode_path and split.fuse_merge
         whole = self.plan(num_seqs=256, num_tokens=256, num_kv_heads=4, queries_per_kv=7)
         assert whole.num_splits == 1 and not whole.decode_path and not whole.fuse_merge
+        half = self.plan(num_seqs=128, num_tokens=128, num_kv_heads=4, queries_per_kv=7)
+        assert half.num_splits == 1 and half.decode_path and not half.fuse_merge
+        # 9 splits of 64-key tiles (1.5B batch 16): the merge kernel was faster there.
+        nine = self.plan(num_seqs=16, num_tokens=16, max_seq_len=1024)
+        assert nine.num_splits == 9 and nine.block_n == 64 and not nine.fuse_merge
         # Far more splits than were timed fused go to the merge kernel.
         many = self.plan(num_seqs=1, num_tokens=1, max_seq_len=4096)
         assert many.num_splits > MAX_FUSED_SPLITS and many.decode_path and not many.fuse_merge
+
+    def test_wide_tiles_only_where_they_were_measured_faster(self) -> None:
+        # H200 run 6: 128-key tiles faster at >= 3 splits of >= 128 keys, slower at 1-2 splits.
+        wide = {"wide_tiles": True}
+        five = self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024, **wide)
+        assert (five.num_splits, five.block_n, five.fuse_merge) == (5, WIDE_BLOCK_N, True)
+        nine = self.plan(num_seqs=16, num_tokens=16, max_seq_len=2048, **wide)
+        assert (nine.num_splits, nine.block_n, nine.fuse_merge) == (9, WIDE_BLOCK_N, True)
+        short = self.plan(num_seqs=16, num_tokens=16, max_seq_len=1024, **wide)  # 114 keys per split
+        assert (short.num_splits, short.block_n, short.fuse_merge) == (9, 64, False)
+        two = self.plan(num_seqs=128, num_tokens=128, max_seq_len=4096, **wide)
+        assert (two.num_splits, two.block_n) == (2, 64)
+        assert self.plan(num_seqs=256, num_tokens=256, **wide).block_n == 64
+        # Not on a T4 (the default) and not for heads over 128: their shared memory does not hold it.
+        assert self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024).block_n == 64
+        assert self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024, head_dim=256, **wide).block_n < WIDE_BLOCK_N
+        # Prefill keeps its tiles.
+        prefill = self.plan(num_seqs=2, num_tokens=400, max_query_len=300, max_seq_len=1024, **wide)
+        assert prefill.block_n < WIDE_BLOCK_N
 
     def test_short_context_does_not_split_below_min_length(self) -> None:
         # 60 keys hold one 32-key split (MIN_TOKENS_PER_SPLIT), not two.
