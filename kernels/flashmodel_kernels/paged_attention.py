@@ -98,7 +98,11 @@ SHARED_BUDGET_BYTES = 48 * 1024
 
 # num_splits is a runtime argument, not a constexpr: a new split count (a new batch size in eager
 # serving, or a benchmark sweep) must not cost a compile. Only whether to split is compiled in.
-@triton.jit(do_not_specialize=["num_splits"])
+# num_seqs likewise: Triton would otherwise compile a variant for 1, for multiples of 16 and for
+# the rest, and a serving engine meets all three as its batch changes, each a stall of a second
+# or so on first use (vLLM's JIT monitor logged this kernel compiling during inference, SLO run 6).
+# It only bounds the search, so the specialisation buys nothing.
+@triton.jit(do_not_specialize=["num_splits", "num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], written when not SPLIT_KV
     part_out_ptr,  # [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD] fp32, when SPLIT_KV
