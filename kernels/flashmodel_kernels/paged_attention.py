@@ -30,7 +30,7 @@ import torch
 
 from flashmodel_kernels._triton import INTERPRETING, tl, triton
 
-__all__ = ["LaunchConfig", "paged_attention", "plan_launch"]
+__all__ = ["LaunchConfig", "compiled_variants", "paged_attention", "plan_launch"]
 
 PAGE_SIZE = 16
 """Tokens per KV-cache block: the T4 profile fixes vLLM's ``--block-size 16``."""
@@ -475,6 +475,22 @@ def plan_launch(
         fuse_merge=1 < splits <= fused_limit,
         decode_path=splits > 1 or programs <= DECODE_PATH_MAX_PROGRAMS_PER_SM * multiprocessors,
     )
+
+
+def compiled_variants() -> int | None:
+    """How many compiled variants of the two kernels this process holds (None under the interpreter).
+
+    Each new one was a JIT compile on first use; a serving engine that meets one mid-traffic
+    stalls for it. The vLLM backend logs every rise, so a run shows which batches compiled.
+    """
+    total = 0
+    for kernel in (_paged_attention_kernel, _merge_splits_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            return None
+        # Triton 3.6/3.7: device -> (kernel_cache, ...); the first element maps keys to kernels.
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
 
 
 def paged_attention(

@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from flashmodel_kernels.paged_attention import PAGE_SIZE, paged_attention
+from flashmodel_kernels.paged_attention import PAGE_SIZE, compiled_variants, paged_attention
 
 __all__ = ["TileAttentionBackend", "TileAttentionImpl", "TileAttentionMetadataBuilder"]
 
@@ -42,6 +42,7 @@ class _Tally:
 
     calls = 0
     worst = 0.0
+    variants: int | None = 0
 
 
 class TileAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -181,6 +182,20 @@ class TileAttentionImpl(TritonAttentionImpl):
                 self._verify,
             )
         _Tally.calls += 1
+        variants = compiled_variants()
+        if variants is not None and variants != _Tally.variants:
+            # A compile on first use: log the batch that needed it (once per new variant).
+            logger.info(
+                "flashmodel tile attention compiled: variants=%d call=%d tokens=%d seqs=%d max_query_len=%d "
+                "max_seq_len=%d",
+                variants,
+                _Tally.calls,
+                n,
+                attn_metadata.seq_lens.shape[0],
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
+            )
+            _Tally.variants = variants
         if self._verify:
             self._compare_with_triton_attn(layer, query, key, value, kv_cache, attn_metadata, output, n)
         return output

@@ -13,6 +13,7 @@ from flashmodel_kernels.paged_attention import (
     MAX_FUSED_SPLITS_NARROW,
     WIDE_BLOCK_N,
     LaunchConfig,
+    compiled_variants,
     paged_attention,
     plan_launch,
 )
@@ -334,3 +335,26 @@ class TestPlanLaunch:
         assert block_m >= 16 and cfg.block_n >= 16 and cfg.block_n % 16 == 0
         # fp32 operand staging on sm_75, the budget plan_launch keeps (checked by compiling too).
         assert (block_m + cfg.block_n) * pad * 4 <= 48 * 1024
+
+
+def test_compiled_variants_counts_compiles_and_num_seqs_costs_none(device: str, generator: torch.Generator) -> None:
+    # The vLLM backend logs each rise of this count (a JIT compile while serving). On a GPU: a
+    # batch of a new size class (1, a multiple of 16, other) must not compile again, because
+    # num_seqs is not specialised; a new constexpr (the split) must. Head size 96 with GQA 5 is
+    # used by no other test, so every compile here is this test's. The interpreter compiles
+    # nothing: there the count is None.
+    config = LaunchConfig(block_q=1, block_n=32, num_splits=1)
+    one, note_one = make([1], [40], group=5, head_dim=96, device=device, generator=generator)
+    start = compiled_variants()
+    run_and_check(one, torch.float16, note_one, config)
+    after_one = compiled_variants()
+    if device != "cuda":
+        assert start is None and after_one is None
+        return
+    assert start is not None and after_one == start + 1
+    for seqs in (16, 5):
+        batch, note = make([1] * seqs, [40] * seqs, group=5, head_dim=96, device=device, generator=generator)
+        run_and_check(batch, torch.float16, note, config)
+    assert compiled_variants() == after_one, "a new batch size compiled the kernel again"
+    run_and_check(one, torch.float16, note_one, replace(config, num_splits=2))
+    assert compiled_variants() == after_one + 2  # the split kernel and its merge kernel
