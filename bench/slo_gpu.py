@@ -95,8 +95,8 @@ class Env:
     deadline: float = 0.0
     plugin_site: str = "/tmp/fmsite"  # pip install --no-deps --target here: the project's wheel
     sustain_s: float = 0.0  # after the search, hold the best rate this long (0: no sustained run)
-    trial_s: float = 0.0  # seconds per search trial (0: the default, 3 s on the GPU)
-    rate_start: float = 0.0  # the search's first rate (0: the default, 8 req/s on the GPU)
+    trial_s: float = 0.0  # seconds per search trial (0: the default, GPU_TRIAL_S on the GPU)
+    rate_start: float = 0.0  # the search's first rate (0: the default, GPU_RATE_START on the GPU)
     extras: bool = True  # shared-prefix and JSON points for the cases that have them
 
     def left(self) -> float:

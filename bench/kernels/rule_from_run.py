@@ -21,11 +21,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
-from flashmodel_kernels.paged_attention import LaunchConfig, plan_launch
+from fit_splits import BANDWIDTH_GOAL, plan_config, shapes_and_rows
+from flashmodel_kernels.paged_attention import LaunchConfig
 
 GOAL_MIN_BATCH = 32
 GOAL_MIN_CONTEXT = 1024
-GOAL_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -71,22 +71,7 @@ def day_plan(row: dict[str, Any], max_fused: int = 10) -> LaunchConfig:
     )
 
 
-def rule_in_use(row: dict[str, Any], multiprocessors: int, wide_tiles: bool) -> LaunchConfig:
-    return plan_launch(
-        num_seqs=row["batch"],
-        num_tokens=row["batch"],
-        max_query_len=1,
-        max_seq_len=row["context"],
-        num_kv_heads=row["kv_heads"],
-        queries_per_kv=row["q_heads"] // row["kv_heads"],
-        head_dim=row["head_dim"],
-        multiprocessors=multiprocessors,
-        wide_tiles=wide_tiles,
-    )
-
-
 def table(run: dict[str, Any], wide_tiles: bool) -> tuple[list[dict[str, Any]], list[str]]:
-    sms = int(run["multiprocessors"])
     bandwidth = float(run["copy_bandwidth_Bps"])
     rows, lines = [], []
     lines.append(
@@ -94,8 +79,8 @@ def table(run: dict[str, Any], wide_tiles: bool) -> tuple[list[dict[str, Any]], 
         "tr/tile | FA3 µs | fa3/tile | day's plan µs |"
     )
     lines.append("|" + "---|" * 15)
-    for row in run["decode"]:
-        pick = _pick(rule_in_use(row, sms, wide_tiles))
+    for shape, row in shapes_and_rows(run):
+        pick = _pick(plan_config(shape, {"wide_tiles": wide_tiles}))
         ran = variants_of(row, day_plan(row))
         name = next((n for n, p in ran.items() if p == pick), None)
         us = row["us"].get(name) if name else None
@@ -136,8 +121,8 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     faster_than_day = [r for r in timed if r["day"] and r["us"] < r["day"]]
     return [
         f"measured picks: {len(timed)} of {len(rows)} shapes",
-        f">= {GOAL_FRACTION:.0%} of copy bandwidth at batch >= {GOAL_MIN_BATCH}, context >= {GOAL_MIN_CONTEXT}: "
-        f"{sum(r['bw'] >= GOAL_FRACTION for r in goal)} of {len(goal)}",
+        f">= {BANDWIDTH_GOAL:.0%} of copy bandwidth at batch >= {GOAL_MIN_BATCH}, context >= {GOAL_MIN_CONTEXT}: "
+        f"{sum(r['bw'] >= BANDWIDTH_GOAL for r in goal)} of {len(goal)}",
         f"slower than vLLM Triton: {len(slower)} (worst triton/tile {worst:.2f})",
         f"FA3 faster: {len(fa3_faster)} shapes, by up to "
         f"{max((r['us'] / r['fa3'] for r in fa3_faster), default=1.0):.2f}x",
