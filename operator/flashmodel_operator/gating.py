@@ -374,6 +374,15 @@ class PodWatch:
         await self.evict_and_record(fm, decision)
 
     async def evict_and_record(self, fm: dict[str, Any], decision: Decision) -> None:
+        """Evict, then record it, even if this pod's daemon is cancelled meanwhile.
+
+        The eviction marks the pod for deletion and kopf then cancels the pod's daemon, this
+        task's caller: unshielded, the status entry, event and metric could die with it (seen
+        in CI: the pod evicted, nothing recorded, the restart budget one short).
+        """
+        await asyncio.shield(self._evict_and_record(fm, decision))
+
+    async def _evict_and_record(self, fm: dict[str, Any], decision: Decision) -> None:
         while True:
             outcome = await self._api(self.cluster.evict, self.namespace, self.name)
             if outcome != "blocked":
