@@ -198,7 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     config = LaunchConfig(a.block_q, a.block_n, a.num_splits, a.num_warps, a.num_stages, a.fuse_merge)
     reports = compile_tile_attention(
-        dtype=getattr(torch, a.dtype), head_dim=a.head_dim, queries_per_kv=a.queries_per_kv, config=config, arch=a.arch,
+        dtype=getattr(torch, a.dtype),
+        head_dim=a.head_dim,
+        queries_per_kv=a.queries_per_kv,
+        config=config,
+        arch=a.arch,
         decode=a.decode,
     )
     print(json.dumps([dataclasses.asdict(r) for r in reports]))

@@ -6,6 +6,10 @@ The backend reuses what vLLM's own Triton backend does around attention: its met
 its KV-cache layout and its cache write (``do_kv_cache_update``). Only the attention itself is
 ours, so the comparison with TRITON_ATTN is kernel against kernel on the same cache.
 
+Before its first call serves anything, the backend compiles every kernel variant the engine's
+limits can need (``precompile``), so no JIT compile stalls serving later;
+``FLASHMODEL_TILE_PRECOMPILE=0`` skips that (to measure what it saves).
+
 ``FLASHMODEL_TILE_VERIFY=1`` also runs vLLM's Triton kernel on every call and logs the relative
 difference (one line per call for the first calls, then every 500th): the proof that the two
 agree inside a real engine. It doubles the attention time; never set it in production.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -26,13 +31,16 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from flashmodel_kernels.paged_attention import PAGE_SIZE, compiled_variants, paged_attention
+from flashmodel_kernels.paged_attention import PAGE_SIZE, compiled_variants, paged_attention, precompile
 
 __all__ = ["TileAttentionBackend", "TileAttentionImpl", "TileAttentionMetadataBuilder"]
 
 logger = logging.getLogger("vllm.plugins.flashmodel_tile_attention")
 
 VERIFY_ENV = "FLASHMODEL_TILE_VERIFY"
+PRECOMPILE_ENV = "FLASHMODEL_TILE_PRECOMPILE"
+# Used only where vLLM's config cannot be read: its own defaults for these limits.
+_DEFAULT_LIMITS = {"max_num_seqs": 256, "max_model_len": 4096, "max_num_batched_tokens": 8192}
 _VERIFY_LOG_FIRST = 64
 _VERIFY_LOG_EVERY = 500
 
@@ -43,6 +51,23 @@ class _Tally:
     calls = 0
     worst = 0.0
     variants: int | None = 0
+    precompiled = False
+
+
+def _engine_limits() -> dict[str, int]:
+    """The limits that decide which kernel variants serving can meet, from vLLM's config."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        return {
+            "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+            "max_model_len": int(config.model_config.max_model_len),
+            "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+        }
+    except Exception as err:  # a config vLLM moved must not stop the engine, only widen the set
+        logger.warning("flashmodel tile attention: engine limits unreadable (%s); using %s", err, _DEFAULT_LIMITS)
+        return dict(_DEFAULT_LIMITS)
 
 
 class TileAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -138,6 +163,9 @@ class TileAttentionImpl(TritonAttentionImpl):
                 "use --attention-backend TRITON_ATTN for this model"
             )
         self._verify = os.environ.get(VERIFY_ENV, "0") == "1"
+        self._precompile = os.environ.get(PRECOMPILE_ENV, "1") != "0"
+        # Read here: vLLM sets its current config while it builds the model, not while it serves.
+        self._limits = _engine_limits() if self._precompile else {}
 
     def forward(
         self,
@@ -160,6 +188,22 @@ class TileAttentionImpl(TritonAttentionImpl):
         # strided views of it, [num_blocks, 16, num_kv_heads, head_size], read through strides.
         kv = kv_cache.transpose(1, 2)
         key_cache, value_cache = kv[..., : self.head_size], kv[..., self.head_size :]
+        if self._precompile and not _Tally.precompiled:
+            _Tally.precompiled = True
+            started = time.monotonic()
+            before = compiled_variants()
+            precompiled = precompile(
+                query, key_cache, value_cache, attn_metadata.block_table, scale=self.scale, **self._limits
+            )
+            after = compiled_variants()
+            _Tally.variants = after  # so the per-call log below reports only compiles while serving
+            logger.info(
+                "flashmodel tile attention precompiled: variants=%d compiled=%s seconds=%.1f limits=%s",
+                len(precompiled),
+                None if before is None or after is None else after - before,
+                time.monotonic() - started,
+                self._limits,
+            )
         paged_attention(
             query[:n],
             key_cache,

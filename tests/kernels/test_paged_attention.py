@@ -14,8 +14,11 @@ from flashmodel_kernels.paged_attention import (
     WIDE_BLOCK_N,
     LaunchConfig,
     compiled_variants,
+    launch_variant,
     paged_attention,
     plan_launch,
+    precompile,
+    serving_variants,
 )
 from flashmodel_kernels.reference import (
     PagedBatch,
@@ -358,3 +361,83 @@ def test_compiled_variants_counts_compiles_and_num_seqs_costs_none(device: str, 
     assert compiled_variants() == after_one, "a new batch size compiled the kernel again"
     run_and_check(one, torch.float16, note_one, replace(config, num_splits=2))
     assert compiled_variants() == after_one + 2  # the split kernel and its merge kernel
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "multiprocessors", "wide"),
+    [(2, 6, 128, 132, True), (4, 7, 128, 132, True), (2, 7, 64, 40, False), (2, 6, 128, 8, False)],
+)
+def test_serving_variants_cover_every_plan(
+    kv_heads: int, group: int, head_dim: int, multiprocessors: int, wide: bool, generator: torch.Generator
+) -> None:
+    # precompile compiles what serving_variants lists; a batch whose plan is missing from it
+    # would compile mid-serving, the stall precompiling exists to remove. Random batches within
+    # the engine's limits (1.5B/7B/0.5B shapes on an H200, on a 40-SM T4 and on the interpreter).
+    limits = {"max_num_seqs": 256, "max_model_len": 4096, "max_num_batched_tokens": 4096}
+    variants = serving_variants(
+        num_kv_heads=kv_heads,
+        queries_per_kv=group,
+        head_dim=head_dim,
+        multiprocessors=multiprocessors,
+        wide_tiles=wide,
+        **limits,
+    )
+    picked = set()
+    for _ in range(3000):
+        num_seqs = int(torch.randint(1, 257, (1,), generator=generator))
+        max_seq_len = int(torch.randint(1, 4097, (1,), generator=generator))
+        decode = bool(torch.randint(0, 2, (1,), generator=generator))
+        num_tokens = num_seqs if decode else int(torch.randint(num_seqs + 1, 4097, (1,), generator=generator))
+        max_query_len = 1 if decode else min(max_seq_len, num_tokens - num_seqs + 1)
+        config = plan_launch(
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            max_query_len=max(1, max_query_len),
+            max_seq_len=max_seq_len,
+            num_kv_heads=kv_heads,
+            queries_per_kv=group,
+            head_dim=head_dim,
+            multiprocessors=multiprocessors,
+            wide_tiles=wide,
+        )
+        variant = launch_variant(config, decode_batch=max_query_len <= 1)
+        note = f"seed={generator.initial_seed()} seqs={num_seqs} tokens={num_tokens} max_seq_len={max_seq_len}"
+        assert variant in variants, f"{variant} not precompiled ({note})"
+        picked.add(variant)
+    # Each listed config is one that compiles its variant (decode or mixed batch).
+    for variant, config in variants.items():
+        assert variant in (launch_variant(config, decode_batch=True), launch_variant(config, decode_batch=False))
+    assert len(picked) >= 4
+
+
+def test_precompile_then_serving_compiles_nothing(device: str, generator: torch.Generator) -> None:
+    # The engine's own strides (here a block table 64 pages wide, the packed K/V cache) are what
+    # precompile copies. Head size 112 with GQA 3 is used by no other test. On a GPU: after
+    # precompile, batches of every kind within the limits add no compiled variant. Under the
+    # interpreter (nothing compiles) every variant still launches and writes its output.
+    limits = {"max_num_seqs": 24, "max_model_len": 1024, "max_num_batched_tokens": 256}
+    width = 64
+    engine, _ = make([1], [40], group=3, kv_heads=2, head_dim=112, device=device, generator=generator)
+    engine_table = torch.zeros((limits["max_num_seqs"], width), dtype=torch.int32, device=device)
+    variants = precompile(
+        engine.query,
+        engine.key_cache,
+        engine.value_cache,
+        engine_table,
+        scale=engine.scale,
+        **limits,
+    )
+    assert len(variants) >= 4 and len(set(variants)) == len(variants)
+    after = compiled_variants()
+    if device == "cuda":
+        assert after is not None and after >= len(variants)
+    cases = [([1] * 24, [900] * 24), ([1] * 3, [700, 60, 1000]), ([1], [5]), ([30, 1, 1], [0, 500, 80]), ([200], [600])]
+    for query_lens, context_lens in cases:
+        batch, note = make(
+            query_lens, context_lens, group=3, kv_heads=2, head_dim=112, device=device, generator=generator
+        )
+        padded = torch.zeros((len(query_lens), width), dtype=torch.int32, device=device)
+        padded[:, : batch.block_table.shape[1]] = batch.block_table
+        batch = replace(batch, block_table=padded)
+        run_and_check(batch, torch.float16, note)
+        assert compiled_variants() == after, f"serving compiled a variant precompile missed ({note})"

@@ -26,7 +26,10 @@ def test_fp16_kernels_fit_a_t4(head_dim: int, queries_per_kv: int, max_query_len
         multiprocessors=40,
     )
     reports = compile_tile_attention(
-        dtype=torch.float16, head_dim=head_dim, queries_per_kv=queries_per_kv, config=config,
+        dtype=torch.float16,
+        head_dim=head_dim,
+        queries_per_kv=queries_per_kv,
+        config=config,
         decode=max_query_len == 1,
     )
     assert len(reports) == (2 if config.num_splits > 1 and not config.fuse_merge else 1)
