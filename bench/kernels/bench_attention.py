@@ -171,6 +171,29 @@ def copy_kernel(x: DecodeInputs) -> tuple[Kernel, int]:
     return run, 2 * elements * x.keys.element_size()
 
 
+def gather_kernel(x: DecodeInputs) -> tuple[Kernel, int, torch.Tensor]:
+    """A gather of one call's key pages in block-table order, as many bytes as ``copy_kernel`` moves.
+
+    The copy reads one contiguous range; attention reads 16-token pages scattered over the pool.
+    This is the ceiling for that access pattern: if it shows the same fixed excess over the copy
+    as the attention kernels (docs/benchmarks.md, runs 5-6: 8-13 us per call), the excess is the
+    layout's, not the kernel's.
+    """
+    pages = [x.tables[i].flatten().long() for i in range(x.copies)]
+    target = torch.empty((pages[0].numel(), *x.keys.shape[1:]), dtype=x.keys.dtype, device=x.keys.device)
+
+    def run(i: int) -> None:
+        torch.index_select(x.keys, 0, pages[i], out=target)
+
+    return run, 2 * target.numel() * x.keys.element_size(), target
+
+
+def contiguous_pages(x: DecodeInputs) -> DecodeInputs:
+    """The same inputs with each sequence's pages consecutive in the pool (no scatter)."""
+    tables = torch.arange(x.tables.numel(), dtype=torch.int32, device=x.tables.device).view(x.tables.shape)
+    return replace(x, tables=tables)
+
+
 def vllm_triton_kernel(x: DecodeInputs, scale: float) -> Kernel:
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
@@ -394,6 +417,28 @@ def bench_decode(
                     row.bandwidth_fraction["copy"] = moved / seconds / bandwidth
                 except Exception as exc:
                     row.errors["copy"] = f"{type(exc).__name__}: {exc}"[:300]
+                # Is the fixed excess over the copy the scattered pages or the kernel? The plan's
+                # pick on consecutive pages, and a gather of the scattered ones (same bytes).
+                try:
+                    contiguous = contiguous_pages(x)
+                    x.outs.fill_(float("nan"))
+                    seconds = time_graph(tile_kernel(contiguous, scale, plan), x.copies)
+                    if torch.isnan(x.outs).any():
+                        raise RuntimeError("output not fully written")
+                    row.us["tile_contiguous"] = seconds * 1e6
+                    row.bandwidth_fraction["tile_contiguous"] = row.bytes / seconds / bandwidth
+                    if small:
+                        reference = decode_reference(contiguous, scale, 0)
+                        row.rel_err_vs_float64["tile_contiguous"] = relative_error(x.outs[0], reference)
+                except Exception as exc:
+                    row.errors["tile_contiguous"] = f"{type(exc).__name__}: {exc}"[:300]
+                try:
+                    run, moved, _ = gather_kernel(x)
+                    seconds = time_graph(run, x.copies)
+                    row.us["gather"] = seconds * 1e6
+                    row.bandwidth_fraction["gather"] = moved / seconds / bandwidth
+                except Exception as exc:
+                    row.errors["gather"] = f"{type(exc).__name__}: {exc}"[:300]
                 if sweep:
                     for num_splits, sweep_block_n, tier in sweep_configs(shape, plan):
                         if tier > 0 and time.time() - t0 > sweep_budget_s:
@@ -436,6 +481,7 @@ def format_row(row: DecodeRow) -> str:
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
         f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
         f"fused2x={us('tile_fused_2x')}us bn128={us('tile_bn128')}us bn128w8={us('tile_bn128_w8')}us "
+        f"contiguous={us('tile_contiguous')}us gather={us('gather')}us copy={us('copy')}us "
         f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
         f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "
