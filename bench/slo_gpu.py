@@ -98,6 +98,7 @@ class Env:
     trial_s: float = 0.0  # seconds per search trial (0: the default, GPU_TRIAL_S on the GPU)
     rate_start: float = 0.0  # the search's first rate (0: the default, GPU_RATE_START on the GPU)
     extras: bool = True  # shared-prefix and JSON points for the cases that have them
+    hold_rps: float = 0.0  # skip the search and hold this rate for sustain_s (an earlier search's maximum)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -329,11 +330,19 @@ async def measure(url: str, case: Case, env: Env, out: dict[str, Any]) -> None:
         out["gpu_memory_used_mib"], out["gpu_memory_total_mib"] = mem if mem else (None, None)
         settings = search_settings(case, env)
         limits = loadgen.RunLimits(request_timeout_s=60, max_in_flight=1024)
-        search = await loadgen.search_max_rate(session, target, plain, settings, limits, seed=1)
-        out["search"] = search
-        best = search["max_rate_rps"]
+        if env.hold_rps:
+            # The rate an earlier run's search found, held for minutes without searching again:
+            # the search's 110 s go to the hold instead.
+            out["search"] = {"skipped_for_hold_rps": env.hold_rps}
+            best = env.hold_rps
+        else:
+            search = await loadgen.search_max_rate(session, target, plain, settings, limits, seed=1)
+            out["search"] = search
+            best = search["max_rate_rps"]
         out["workload"] = plain.describe()
-        if env.sustain_s and best and env.left() > env.sustain_s + 40:
+        if env.sustain_s and best and env.left() <= env.sustain_s + 40:
+            log("sustained_skipped", case=case.name, rate=best, reason=f"budget: {env.left():.0f}s left")
+        elif env.sustain_s and best:
             # The search's trials last seconds; a card is sold on the rate it holds for minutes.
             n = math.ceil(best * env.sustain_s)
             res, wall = await loadgen.run_open_loop(
@@ -793,12 +802,15 @@ def main() -> int:
         "--rate-start", type=float, default=0.0, help=f"the search's first rate (default {GPU_RATE_START:g} req/s)"
     )
     p.add_argument("--no-extras", action="store_true", help="skip the shared-prefix and JSON points")
+    p.add_argument("--hold-rps", type=float, default=0.0, help="no search: hold this rate for --sustain-s")
     p.add_argument(
         "--prebuild",
         default="",
         help="comma list of shapes to build on the CPU meanwhile, for a later call (waited for at the end)",
     )
     a = p.parse_args()
+    if a.hold_rps and not a.sustain_s:
+        p.error("--hold-rps holds a rate for --sustain-s seconds: give both")
     env = Env(
         out=Path(a.out),
         work=Path(a.work),
@@ -810,6 +822,7 @@ def main() -> int:
         trial_s=a.trial_s,
         rate_start=a.rate_start,
         extras=not a.no_extras,
+        hold_rps=a.hold_rps,
     )
     env.deadline = time.monotonic() + a.budget_s
     env.out.mkdir(parents=True, exist_ok=True)

@@ -153,3 +153,15 @@ def test_longer_trials_hold_their_rate_for_their_whole_length(tmp_path: Path) ->
     short = slo_gpu.search_settings(case, env)
     assert (short.trial_seconds, short.rate_start) == (3.0, 8.0)
     assert loadgen.trial_requests(192.0, short) == 576
+
+
+def test_hold_rps_without_sustain_s_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Holding a rate for zero seconds would measure nothing and still skip the search.
+    monkeypatch.setattr("sys.argv", ["slo_gpu.py", "--out", str(tmp_path), "--hold-rps", "96"])
+    with pytest.raises(SystemExit) as exit_info:
+        slo_gpu.main()
+    assert exit_info.value.code == 2
+    assert "--hold-rps holds a rate for --sustain-s seconds" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything ran or was written
