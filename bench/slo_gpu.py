@@ -687,6 +687,63 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The comparisons the benchmark exists for, as (case, baseline) name prefixes; a case name is
+# "<prefix>-<shape>", so "t4-1.5b" is compared with "defaults-1.5b" when both ran.
+COMPARISONS = (
+    ("t4", "defaults"),
+    ("tile", "t4"),
+    ("t4-launcher", "t4"),
+    ("cpu-profile", "cpu-defaults"),
+    ("cpu-launcher", "cpu-profile"),
+)
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each comparison whose two cases both found a maximum in this run, with the bracket the search allows.
+
+    The search brackets each maximum between the best passing rate and the first failing one,
+    so the true ratio lies between (case's best / baseline's first failing) and (case's first
+    failing / baseline's best); a bound is None where a case never failed.
+    """
+    by_case = {r["case"]: r for r in rows}
+    found = []
+    for prefix, baseline_prefix in COMPARISONS:
+        for name, case in by_case.items():
+            shape = case.get("shape")
+            baseline = by_case.get(f"{baseline_prefix}-{shape}")
+            if name != f"{prefix}-{shape}" or baseline is None:
+                continue
+            best, base_best = case.get("max_rps_at_slo"), baseline.get("max_rps_at_slo")
+            if not best or not base_best:
+                continue
+            failing, base_failing = case.get("first_failing_rps"), baseline.get("first_failing_rps")
+            tpot, base_tpot = case.get("tpot_p50_ms_c1"), baseline.get("tpot_p50_ms_c1")
+            found.append(
+                {
+                    "case": name,
+                    "baseline": baseline["case"],
+                    "max_rps": [best, base_best],
+                    "ratio": round(best / base_best, 3),
+                    "ratio_low": round(best / base_failing, 3) if base_failing else None,
+                    "ratio_high": round(failing / base_best, 3) if failing else None,
+                    "tpot_c1_ratio": round(tpot / base_tpot, 2) if tpot and base_tpot else None,
+                }
+            )
+    return found
+
+
+def ratio_text(entry: dict[str, Any]) -> str:
+    def bound(value: float | None) -> str:
+        return "open" if value is None else f"{value:g}"
+
+    best, base_best = entry["max_rps"]
+    tpot = "" if entry["tpot_c1_ratio"] is None else f"; TPOT p50 at c=1 {entry['tpot_c1_ratio']:g}x"
+    return (
+        f"ratio {entry['case']} / {entry['baseline']}: max req/s {best:g} / {base_best:g} = {entry['ratio']:g} "
+        f"(between {bound(entry['ratio_low'])} and {bound(entry['ratio_high'])}){tpot}"
+    )
+
+
 KEY_LINES = re.compile(r"ERROR|Error|Traceback|KV cache|took|backend|Backend|compile|event=|WARNING")
 
 
@@ -707,8 +764,10 @@ def collect_logs(env: Env) -> None:
 
 def save(results: dict[str, Any], env: Env) -> None:
     results["rows"] = summary_rows(results)
+    results["ratios"] = ratios(results["rows"])
     (env.out / "slo_results.json").write_text(json.dumps(results, indent=1))
-    (env.out / "slo_table.md").write_text(markdown(results["rows"]) + "\n")
+    lines = [markdown(results["rows"]), "", *(ratio_text(entry) for entry in results["ratios"])]
+    (env.out / "slo_table.md").write_text("\n".join(lines) + "\n")
     collect_logs(env)
 
 
@@ -911,6 +970,8 @@ def main() -> int:
             log("model_prebuild_unfinished", shape=shape)
     save(results, env)
     print(markdown(results["rows"]))
+    for entry in results["ratios"]:
+        print(ratio_text(entry))
     for name, entry in (results.get("roofline") or {}).items():
         c1 = entry["c1"]
         print(

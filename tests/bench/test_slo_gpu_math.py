@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,3 +166,39 @@ def test_hold_rps_without_sustain_s_is_refused(
     assert exit_info.value.code == 2
     assert "--hold-rps holds a rate for --sustain-s seconds" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before anything ran or was written
+
+
+def test_ratios_pair_each_case_with_its_baseline_and_bracket_the_ratio() -> None:
+    # Run 8's pair: t4 passed 96 and failed 112, defaults passed 128 and failed 256.
+    rows: list[dict[str, Any]] = [
+        {
+            "case": "t4-1.5b",
+            "shape": "1.5b",
+            "max_rps_at_slo": 96.0,
+            "first_failing_rps": 112.0,
+            "tpot_p50_ms_c1": 20.1,
+        },
+        {
+            "case": "defaults-1.5b",
+            "shape": "1.5b",
+            "max_rps_at_slo": 128.0,
+            "first_failing_rps": 256.0,
+            "tpot_p50_ms_c1": 2.57,
+        },
+        {"case": "tile-1.5b", "shape": "1.5b", "max_rps_at_slo": 112.0, "first_failing_rps": None},
+        {"case": "t4-7b", "shape": "7b", "max_rps_at_slo": 112.0, "first_failing_rps": 128.0},  # no baseline ran
+        {"case": "defaults-0.5b", "shape": "0.5b", "max_rps_at_slo": None, "error": "server did not come up"},
+        {"case": "t4-0.5b", "shape": "0.5b", "max_rps_at_slo": 112.0, "first_failing_rps": 128.0},
+    ]
+    found = {(e["case"], e["baseline"]): e for e in slo_gpu.ratios(rows)}
+    assert set(found) == {("t4-1.5b", "defaults-1.5b"), ("tile-1.5b", "t4-1.5b")}
+    t4 = found[("t4-1.5b", "defaults-1.5b")]
+    assert (t4["ratio"], t4["ratio_low"], t4["ratio_high"]) == (0.75, 0.375, 0.875)
+    assert t4["tpot_c1_ratio"] == 7.82
+    tile = found[("tile-1.5b", "t4-1.5b")]
+    assert (tile["ratio"], tile["ratio_low"], tile["ratio_high"]) == (1.167, 1.0, None)  # tile never failed
+    text = slo_gpu.ratio_text(t4)
+    assert text == (
+        "ratio t4-1.5b / defaults-1.5b: max req/s 96 / 128 = 0.75 (between 0.375 and 0.875); TPOT p50 at c=1 7.82x"
+    )
+    assert "and open)" in slo_gpu.ratio_text(tile)
