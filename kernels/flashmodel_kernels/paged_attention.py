@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -579,36 +579,32 @@ def serving_variants(
     edges = {max_num_seqs, last_on_decode_path, last_on_decode_path + 1}
     seq_counts = sorted(set(range(1, math.ceil(target / num_kv_heads) + 2)) | edges)
     seq_counts = [n for n in seq_counts if 1 <= n <= max_num_seqs]
-    lengths = _breakpoints(max_model_len, (MIN_TOKENS_PER_SPLIT, 16, 32, 64, WIDE_BLOCK_N), MAX_SPLITS)
+    lengths = _breakpoints(max_model_len, tuple(sorted({MIN_TOKENS_PER_SPLIT, 16, 32, 64, WIDE_BLOCK_N})), MAX_SPLITS)
     found: dict[Variant, LaunchConfig] = {}
-    shape = {
-        "num_kv_heads": num_kv_heads,
-        "queries_per_kv": queries_per_kv,
-        "head_dim": head_dim,
-        "multiprocessors": multiprocessors,
-        "wide_tiles": wide_tiles,
-    }
+    plan = partial(
+        plan_launch,
+        num_kv_heads=num_kv_heads,
+        queries_per_kv=queries_per_kv,
+        head_dim=head_dim,
+        multiprocessors=multiprocessors,
+        wide_tiles=wide_tiles,
+    )
     for num_seqs in seq_counts:
         for max_seq_len in lengths:
             # A decode batch, and the smallest mixed batch of as many sequences (most splits).
             for num_tokens, max_query_len in ((num_seqs, 1), (num_seqs + 1, 2)):
                 if max_query_len > max_seq_len or num_tokens > max_num_batched_tokens:
                     continue
-                config = plan_launch(
-                    num_seqs=num_seqs,
-                    num_tokens=num_tokens,
-                    max_query_len=max_query_len,
-                    max_seq_len=max_seq_len,
-                    **shape,  # type: ignore[arg-type]
+                config = plan(
+                    num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len
                 )
                 found.setdefault(launch_variant(config, decode_batch=max_query_len == 1), config)
     # A full chunked-prefill batch: many programs, so no split.
-    full = plan_launch(
+    full = plan(
         num_seqs=max_num_seqs,
         num_tokens=max_num_batched_tokens,
         max_query_len=max(2, min(max_model_len, max_num_batched_tokens)),
         max_seq_len=max_model_len,
-        **shape,  # type: ignore[arg-type]
     )
     found.setdefault(launch_variant(full, decode_batch=False), full)
     return found
