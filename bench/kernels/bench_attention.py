@@ -81,7 +81,7 @@ class DecodeRow:
     rel_diff_vs_tile: dict[str, float] = field(default_factory=dict)
     rel_err_vs_float64: dict[str, float] = field(default_factory=dict)
     num_splits: int = 1
-    plan: dict[str, int] = field(default_factory=dict)
+    plan: dict[str, int | bool] = field(default_factory=dict)
     """plan_launch's config on this device (``tile`` above ran with it)."""
     errors: dict[str, str] = field(default_factory=dict)
     tile_sweep: list[dict[str, Any]] = field(default_factory=list)
@@ -359,6 +359,14 @@ def bench_decode(
         # twice the bytes in flight per load; sm_90 only (a T4's shared memory holds 64 keys).
         "tile_bn128": lambda x, scale: tile_kernel(x, scale, replace(x.plan, block_n=128)),
         "tile_bn128_w8": lambda x, scale: tile_kernel(x, scale, replace(x.plan, block_n=128, num_warps=8)),
+        # Experiment (run 8): each tile's page numbers read one loop step ahead, so K/V loads no
+        # longer wait behind a block-table read; at 3 stages the compiler then double-buffers K
+        # and V (two tiles in flight per program). 64-key tiles keep 3 programs per SM at 3 stages.
+        "tile_prefetch": lambda x, scale: tile_kernel(x, scale, replace(x.plan, prefetch_pages=True)),
+        "tile_prefetch_s3": lambda x, scale: tile_kernel(x, scale, replace(x.plan, prefetch_pages=True, num_stages=3)),
+        "tile_prefetch_s3_bn64": lambda x, scale: tile_kernel(
+            x, scale, replace(x.plan, prefetch_pages=True, num_stages=3, block_n=64)
+        ),
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
@@ -384,7 +392,7 @@ def bench_decode(
                 plan = plan_config(shape, {"wide_tiles": wide_tiles_fit(device)})  # as paged_attention plans
                 x.plan = plan
                 row.num_splits = plan.num_splits
-                row.plan = {"block_q": plan.block_q, "block_n": plan.block_n, "num_splits": plan.num_splits}
+                row.plan = asdict(plan)  # every choice, so a later rule can tell which variant ran its pick
                 small = batch * context <= 16 * 4096
                 ref = decode_reference(x, scale, 0) if small else None
                 tile_out: torch.Tensor | None = None
@@ -393,6 +401,8 @@ def bench_decode(
                         continue  # nothing to merge
                     if name.startswith("tile_bn128") and context // plan.num_splits < 128:
                         continue  # a split shorter than the tile: masked keys, nothing to learn
+                    if name == "tile_prefetch_s3_bn64" and plan.block_n <= 64:
+                        continue  # the same launch as tile_prefetch_s3
                     try:
                         x.outs.fill_(float("nan"))
                         run = make(x, scale)
@@ -481,6 +491,8 @@ def format_row(row: DecodeRow) -> str:
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
         f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
         f"fused2x={us('tile_fused_2x')}us bn128={us('tile_bn128')}us bn128w8={us('tile_bn128_w8')}us "
+        f"prefetch={us('tile_prefetch')}us prefetch_s3={us('tile_prefetch_s3')}us "
+        f"prefetch_s3_bn64={us('tile_prefetch_s3_bn64')}us "
         f"contiguous={us('tile_contiguous')}us gather={us('gather')}us copy={us('copy')}us "
         f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
         f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "

@@ -35,11 +35,21 @@ class Pick:
     fuse_merge: bool
     decode_path: bool
     num_warps: int = 4
+    num_stages: int = 2
+    prefetch_pages: bool = False
 
 
 def _pick(config: LaunchConfig) -> Pick:
     split = config.num_splits > 1
-    return Pick(config.num_splits, config.block_n, config.fuse_merge and split, config.decode_path, config.num_warps)
+    return Pick(
+        config.num_splits,
+        config.block_n,
+        config.fuse_merge and split,
+        config.decode_path,
+        config.num_warps,
+        config.num_stages,
+        config.prefetch_pages,
+    )
 
 
 def variants_of(row: dict[str, Any], day_plan: LaunchConfig) -> dict[str, Pick]:
@@ -53,14 +63,20 @@ def variants_of(row: dict[str, Any], day_plan: LaunchConfig) -> dict[str, Pick]:
         "tile_fused_2x": Pick(min(2 * base.num_splits, 32), base.block_n, True, base.decode_path),
         "tile_bn128": replace(base, block_n=128),
         "tile_bn128_w8": replace(base, block_n=128, num_warps=8),
+        "tile_prefetch": replace(base, prefetch_pages=True),
+        "tile_prefetch_s3": replace(base, prefetch_pages=True, num_stages=3),
+        "tile_prefetch_s3_bn64": replace(base, prefetch_pages=True, num_stages=3, block_n=64),
     }
     return {name: pick for name, pick in out.items() if name in ran}
 
 
 def day_plan(row: dict[str, Any], max_fused: int = 10) -> LaunchConfig:
-    """The plan the run's ``tile`` column ran: its recorded (block_q, block_n, splits) with the
-    choices of that day (runs 5-6: fused merge for 2-10 splits, decode path only when split)."""
+    """The plan the run's ``tile`` column ran. Runs from 8 on record every choice; runs 5-6
+    recorded (block_q, block_n, splits), and their other choices were fused merge for 2-10
+    splits and the decode path only when split."""
     p = row["plan"]
+    if "decode_path" in p:
+        return LaunchConfig(**p)
     splits = int(p["num_splits"])
     return LaunchConfig(
         block_q=int(p["block_q"]),

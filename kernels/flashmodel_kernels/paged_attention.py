@@ -149,6 +149,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DECODE: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
@@ -220,10 +221,21 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     block_row = block_table_ptr + seq * stride_bt_seq
 
+    if PREFETCH_PAGES:
+        first_pos = tile_begin * BLOCK_N + offs_n
+        next_page = tl.load(block_row + first_pos // PAGE_SIZE, mask=first_pos < kv_end, other=0)
     for kv_tile in range(tile_begin, tile_end):
         key_pos = kv_tile * BLOCK_N + offs_n
         key_valid = key_pos < kv_end
-        page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+        if PREFETCH_PAGES:
+            # The next tile's page numbers are loaded one step ahead, so its K/V loads do not
+            # wait behind a block-table read: without this each step is two dependent trips to
+            # memory (page numbers, then K/V) that the compiler's pipeliner cannot overlap.
+            page = next_page.to(tl.int64)
+            ahead_pos = key_pos + BLOCK_N
+            next_page = tl.load(block_row + ahead_pos // PAGE_SIZE, mask=ahead_pos < kv_end, other=0)
+        else:
+            page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = key_pos % PAGE_SIZE
         # int64: a cache of a few hundred thousand pages is more than 2**31 elements per layer.
         k_rows = page * stride_k_blk + slot * stride_k_tok + kv_head * stride_k_head
@@ -374,6 +386,8 @@ class LaunchConfig:
     """Split results merged by the last split to finish, in the same kernel, not by a second one."""
     decode_path: bool = True
     """A pure decode batch takes the search-free path (program i is sequence i); False searches."""
+    prefetch_pages: bool = False
+    """Each key tile's page numbers are read one loop step ahead (an experiment, see the kernel)."""
 
 
 @lru_cache(maxsize=8)
@@ -519,6 +533,7 @@ class Variant:
     """NUM_SPLITS_PAD of the merge kernel, which compiles once per value; 0 when it does not run."""
     num_warps: int
     num_stages: int
+    prefetch_pages: bool = False
 
 
 def launch_variant(config: LaunchConfig, *, decode_batch: bool) -> Variant:
@@ -534,6 +549,7 @@ def launch_variant(config: LaunchConfig, *, decode_batch: bool) -> Variant:
         merge_splits_pad=triton.next_power_of_2(config.num_splits) if merge_kernel else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        prefetch_pages=config.prefetch_pages,
     )
 
 
@@ -762,6 +778,7 @@ def paged_attention(
         SPLIT_KV=splits > 1,
         DECODE=decode,
         FUSE_MERGE=arrivals is not None,
+        PREFETCH_PAGES=config.prefetch_pages,
         INTERPRETER_BF16=INTERPRETING and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -222,6 +222,7 @@ def compile_tile_attention(
         SPLIT_KV=int(config.num_splits > 1),
         DECODE=int(decode and config.decode_path),
         FUSE_MERGE=int(config.num_splits > 1 and config.fuse_merge),
+        PREFETCH_PAGES=int(config.prefetch_pages),
         INTERPRETER_BF16=0,
     )
     reports = [

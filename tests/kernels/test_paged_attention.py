@@ -160,6 +160,23 @@ def test_decode_path_equals_the_searching_path(
     assert torch.equal(decode, loose_bound), note
 
 
+@pytest.mark.parametrize(
+    ("splits", "block_n", "stages"), [(1, 16, 2), (1, 64, 3), (3, 32, 3), (2, 128, 3), (17, 16, 2)]
+)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 37, 1, 2]])
+def test_prefetched_pages_equal_the_plain_loop(
+    splits: int, block_n: int, stages: int, query_lens: list[int], device: str, generator: torch.Generator
+) -> None:
+    # Reading each tile's page numbers one step ahead changes when memory is read, not what is
+    # computed: the output must be identical, on the decode and the searching path, split or not,
+    # with the double-buffered pipeline (3 stages) the prefetch lets the compiler build.
+    batch, note = make(query_lens, [300, 19, 150, 0], group=7, device=device, generator=generator)
+    config = LaunchConfig(block_q=2, block_n=block_n, num_splits=splits, num_stages=stages, fuse_merge=splits <= 5)
+    plain = run_and_check(batch, torch.float16, note, config)
+    prefetched = run_and_check(batch, torch.float16, note, replace(config, prefetch_pages=True))
+    assert torch.equal(plain, prefetched), note
+
+
 def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
     # Two contiguous tensors instead of vLLM 0.26's packed one: only the strides differ.
     batch, note = make([1, 5], [33, 64], group=6, device=device, generator=generator, packed_kv=False)
