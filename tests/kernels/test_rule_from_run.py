@@ -37,3 +37,16 @@ def test_a_pick_no_variant_ran_is_unmeasured() -> None:
 def test_without_wide_tiles_the_t4_plan_keeps_64_key_tiles() -> None:
     rows, _ = rule_from_run.table(json.loads(RUN6.read_text()), wide_tiles=False)
     assert all(r["pick"].block_n <= 64 for r in rows)
+
+
+RUN8 = RUN6.parents[1] / "h200-2026-12-03-run8/bench_attention.json"
+
+
+def test_run_8_timed_every_pick_of_the_rule_in_use_again() -> None:
+    # Run 8 recorded every plan choice per row, so its day's plan is read, not assumed; the rule
+    # is the run-6 one, and each pick is its own `tile` column.
+    rows, _ = rule_from_run.table(json.loads(RUN8.read_text()), wide_tiles=True)
+    assert len(rows) == 56 and all(r["variant"] == "tile" for r in rows)
+    lines = rule_from_run.summary(rows)
+    assert any(line.endswith(": 15 of 24") for line in lines)
+    assert "slower than vLLM Triton: 0 (worst triton/tile 1.01)" in lines
