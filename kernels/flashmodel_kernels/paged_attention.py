@@ -231,8 +231,8 @@ def _paged_attention_kernel(
             # The next tile's page numbers are loaded one step ahead, so its K/V loads do not
             # wait behind a block-table read: without this each step is two dependent trips to
             # memory (page numbers, then K/V) that the compiler's pipeliner cannot overlap.
-            # Measured (H200 kernel run 8): no better where a program has few steps, and 10-30 %
-            # slower with 64-key tiles over many steps, so no plan picks it; kept for the bench.
+            # Measured (H200 kernel run 8): no better where a program has few steps, and 28 %
+            # slower (median) where it has 8 or more, so no plan picks it; kept for the bench.
             page = next_page.to(tl.int64)
             ahead_pos = key_pos + BLOCK_N
             next_page = tl.load(block_row + ahead_pos // PAGE_SIZE, mask=ahead_pos < kv_end, other=0)
