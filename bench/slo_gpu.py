@@ -806,6 +806,16 @@ def plan(smoke: bool, tile: bool, shim: bool) -> list[Case]:
     return cases
 
 
+def with_estimates(cases: list[Case], *, hold_s: float | None, override_s: float | None) -> list[Case]:
+    """The seconds the budget check assumes per case: a hold replaces the search (start-up plus
+    the hold), and ``override_s`` (``--estimate-s``) replaces both."""
+    if hold_s is not None:
+        cases = [dataclasses.replace(c, estimate_s=c.estimate_s - c.search_s + hold_s) for c in cases]
+    if override_s is not None:
+        cases = [dataclasses.replace(c, estimate_s=override_s) for c in cases]
+    return cases
+
+
 def build_models(shapes: list[str], env: Env, background: set[str]) -> dict[str, subprocess.Popen[bytes]]:
     """Build the random-weight models; the big ones on the CPU in the background, so the GPU
     measures while they are written (the GPU must be free for vLLM's memory accounting)."""
@@ -863,6 +873,13 @@ def main() -> int:
     p.add_argument("--no-extras", action="store_true", help="skip the shared-prefix and JSON points")
     p.add_argument("--hold-rps", type=float, default=0.0, help="no search: hold this rate for --sustain-s")
     p.add_argument(
+        "--estimate-s",
+        type=float,
+        default=None,
+        help="the seconds each case is assumed to take when the budget decides whether to start it "
+        "(default: the H200 estimates, which assume a cold start of about 105 s)",
+    )
+    p.add_argument(
         "--prebuild",
         default="",
         help="comma list of shapes to build on the CPU meanwhile, for a later call (waited for at the end)",
@@ -893,6 +910,7 @@ def main() -> int:
         cases = [c for c in cases if c.name in a.only.split(",")]
     if a.search_s is not None:
         cases = [dataclasses.replace(c, search_s=a.search_s) for c in cases]
+    cases = with_estimates(cases, hold_s=a.sustain_s if a.hold_rps else None, override_s=a.estimate_s)
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "smoke_cpu": a.smoke_cpu,

@@ -202,3 +202,12 @@ def test_ratios_pair_each_case_with_its_baseline_and_bracket_the_ratio() -> None
         "ratio t4-1.5b / defaults-1.5b: max req/s 96 / 128 = 0.75 (between 0.375 and 0.875); TPOT p50 at c=1 7.82x"
     )
     assert "and open)" in slo_gpu.ratio_text(tile)
+
+
+def test_a_hold_is_budgeted_as_start_up_plus_the_hold() -> None:
+    cases = [c for c in slo_gpu.plan(False, False, False) if c.name == "t4-1.5b"]
+    (held,) = slo_gpu.with_estimates(cases, hold_s=100.0, override_s=None)
+    assert held.estimate_s == cases[0].estimate_s - cases[0].search_s + 100.0
+    (forced,) = slo_gpu.with_estimates(cases, hold_s=100.0, override_s=150.0)
+    assert forced.estimate_s == 150.0
+    assert slo_gpu.with_estimates(cases, hold_s=None, override_s=None) == cases
