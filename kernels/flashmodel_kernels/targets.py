@@ -290,6 +290,7 @@ def _compile_in_child(
         *(["--decode"] if decode else []),
         *(["--fuse-merge"] if config.fuse_merge else []),
         *([] if config.decode_path else ["--search-path"]),
+        *(["--prefetch-pages"] if config.prefetch_pages else []),
     ]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -312,11 +313,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", action="store_true", help="the one-token-per-sequence path")
     parser.add_argument("--fuse-merge", action="store_true", help="splits merged inside the attention kernel")
     parser.add_argument("--search-path", action="store_true", help="a decode batch on the searching path")
+    parser.add_argument("--prefetch-pages", action="store_true", help="page numbers read one loop step ahead")
     parser.add_argument("--num-kv-heads", type=int, default=EngineLayout.num_kv_heads)
     parser.add_argument("--max-model-len", type=int, default=EngineLayout.max_model_len)
     a = parser.parse_args(argv)
     config = LaunchConfig(
-        a.block_q, a.block_n, a.num_splits, a.num_warps, a.num_stages, a.fuse_merge, decode_path=not a.search_path
+        a.block_q,
+        a.block_n,
+        a.num_splits,
+        a.num_warps,
+        a.num_stages,
+        a.fuse_merge,
+        decode_path=not a.search_path,
+        prefetch_pages=a.prefetch_pages,
     )
     reports = compile_tile_attention(
         dtype=getattr(torch, a.dtype),
