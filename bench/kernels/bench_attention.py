@@ -35,6 +35,7 @@ from fit_splits import CANDIDATE_GRID, Shape, plan_config
 from fit_splits import plan as plan_rule
 from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, wide_tiles_fit
 from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
+from load_floor import load_floor
 
 MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
     "qwen2.5-1.5b": (12, 2, 128),
@@ -192,6 +193,20 @@ def contiguous_pages(x: DecodeInputs) -> DecodeInputs:
     """The same inputs with each sequence's pages consecutive in the pool (no scatter)."""
     tables = torch.arange(x.tables.numel(), dtype=torch.int32, device=x.tables.device).view(x.tables.shape)
     return replace(x, tables=tables)
+
+
+def floor_kernel(x: DecodeInputs, config: LaunchConfig) -> Kernel:
+    """``load_floor``: the plan's walk over the pages with no arithmetic and no merge."""
+    sums = torch.empty(
+        (x.tables.shape[1], x.keys.shape[2], config.num_splits, 2, x.keys.shape[3]),
+        dtype=torch.float32,
+        device=x.keys.device,
+    )
+
+    def run(i: int) -> None:
+        load_floor(x.keys, x.values, x.tables[i], x.seq_lens, config, sums)
+
+    return run
 
 
 def vllm_triton_kernel(x: DecodeInputs, scale: float) -> Kernel:
@@ -367,6 +382,9 @@ def bench_decode(
         "tile_prefetch_s3_bn64": lambda x, scale: tile_kernel(
             x, scale, replace(x.plan, prefetch_pages=True, num_stages=3, block_n=64)
         ),
+        # Experiment (session 5, not timed yet): the fused merge loads every split's result at
+        # once instead of one after another, at the tail of the call where nothing else runs.
+        "tile_gathered_merge": lambda x, scale: tile_kernel(x, scale, replace(x.plan, gathered_merge=True)),
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
@@ -403,6 +421,8 @@ def bench_decode(
                         continue  # a split shorter than the tile: masked keys, nothing to learn
                     if name == "tile_prefetch_s3_bn64" and plan.block_n <= 64:
                         continue  # the same launch as tile_prefetch_s3
+                    if name == "tile_gathered_merge" and not (plan.num_splits > 1 and plan.fuse_merge):
+                        continue  # no fused merge in this plan: the same launch as tile
                     try:
                         x.outs.fill_(float("nan"))
                         run = make(x, scale)
@@ -442,6 +462,13 @@ def bench_decode(
                         row.rel_err_vs_float64["tile_contiguous"] = relative_error(x.outs[0], reference)
                 except Exception as exc:
                     row.errors["tile_contiguous"] = f"{type(exc).__name__}: {exc}"[:300]
+                # The same walk with nothing else: what the paged loads alone cost (load_floor.py).
+                try:
+                    seconds = time_graph(floor_kernel(x, plan), x.copies)
+                    row.us["floor"] = seconds * 1e6
+                    row.bandwidth_fraction["floor"] = row.bytes / seconds / bandwidth
+                except Exception as exc:
+                    row.errors["floor"] = f"{type(exc).__name__}: {exc}"[:300]
                 try:
                     run, moved, _ = gather_kernel(x)
                     seconds = time_graph(run, x.copies)
@@ -492,8 +519,8 @@ def format_row(row: DecodeRow) -> str:
         f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
         f"fused2x={us('tile_fused_2x')}us bn128={us('tile_bn128')}us bn128w8={us('tile_bn128_w8')}us "
         f"prefetch={us('tile_prefetch')}us prefetch_s3={us('tile_prefetch_s3')}us "
-        f"prefetch_s3_bn64={us('tile_prefetch_s3_bn64')}us "
-        f"contiguous={us('tile_contiguous')}us gather={us('gather')}us copy={us('copy')}us "
+        f"prefetch_s3_bn64={us('tile_prefetch_s3_bn64')}us gathered_merge={us('tile_gathered_merge')}us "
+        f"contiguous={us('tile_contiguous')}us floor={us('floor')}us gather={us('gather')}us copy={us('copy')}us "
         f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
         f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "

@@ -37,6 +37,7 @@ class Pick:
     num_warps: int = 4
     num_stages: int = 2
     prefetch_pages: bool = False
+    gathered_merge: bool = False
 
 
 def _pick(config: LaunchConfig) -> Pick:
@@ -49,6 +50,7 @@ def _pick(config: LaunchConfig) -> Pick:
         config.num_warps,
         config.num_stages,
         config.prefetch_pages,
+        config.gathered_merge and config.fuse_merge and split,
     )
 
 
@@ -66,6 +68,7 @@ def variants_of(row: dict[str, Any], day_plan: LaunchConfig) -> dict[str, Pick]:
         "tile_prefetch": replace(base, prefetch_pages=True),
         "tile_prefetch_s3": replace(base, prefetch_pages=True, num_stages=3),
         "tile_prefetch_s3_bn64": replace(base, prefetch_pages=True, num_stages=3, block_n=64),
+        "tile_gathered_merge": replace(base, gathered_merge=True),
     }
     return {name: pick for name, pick in out.items() if name in ran}
 

@@ -150,6 +150,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,
+    MERGE_SPLITS_PAD: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
@@ -307,28 +308,21 @@ def _paged_attention_kernel(
             if arrived == num_splits - 1:
                 tl.debug_barrier()
                 first_row = (tok_global * num_q_heads + q_head) * num_splits
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                w_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-                merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-                for part in range(num_splits):
-                    # .cg: other programs wrote these; read them from L2, never a stale L1 line.
-                    part_lse = tl.load(
-                        part_lse_ptr + first_row + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg"
+                if MERGE_SPLITS_PAD > 0:
+                    merged = _merge_gathered(
+                        part_out_ptr,
+                        part_lse_ptr,
+                        first_row,
+                        row_valid,
+                        num_splits,
+                        BLOCK_M,
+                        HEAD_DIM_PAD,
+                        MERGE_SPLITS_PAD,
                     )
-                    part_out = tl.load(
-                        part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                        mask=row_valid[:, None],
-                        other=0.0,
-                        cache_modifier=".cg",
+                else:
+                    merged = _merge_one_by_one(
+                        part_out_ptr, part_lse_ptr, first_row, row_valid, num_splits, BLOCK_M, HEAD_DIM_PAD
                     )
-                    m_next = tl.maximum(m_all, part_lse)
-                    m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)
-                    scale_old = tl.exp2(m_all - m_safe)
-                    weight = tl.exp2(part_lse - m_safe)
-                    w_all = w_all * scale_old + weight
-                    merged = merged * scale_old[:, None] + part_out * weight[:, None]
-                    m_all = m_next
-                merged = merged / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
                 o_rows = tok_global * stride_o_tok + q_head * stride_o_head
                 tl.store(
                     out_ptr + o_rows[:, None] + offs_d[None, :],
@@ -336,6 +330,77 @@ def _paged_attention_kernel(
                     mask=row_valid[:, None] & dim_valid[None, :],
                 )
                 tl.store(arrivals, 0)  # zero again for the next call: no memset per call
+
+
+@triton.jit
+def _merge_one_by_one(
+    part_out_ptr, part_lse_ptr, first_row, row_valid, num_splits, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr
+):
+    """The fused merge in use: splits read in a loop, each rescaling the running result."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    w_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for part in range(num_splits):
+        # .cg: other programs wrote these; read them from L2, never a stale L1 line.
+        part_lse = tl.load(part_lse_ptr + first_row + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        part_out = tl.load(
+            part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_next = tl.maximum(m_all, part_lse)
+        m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)
+        scale_old = tl.exp2(m_all - m_safe)
+        weight = tl.exp2(part_lse - m_safe)
+        w_all = w_all * scale_old + weight
+        merged = merged * scale_old[:, None] + part_out * weight[:, None]
+        m_all = m_next
+    return merged / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
+
+
+@triton.jit
+def _merge_gathered(
+    part_out_ptr,
+    part_lse_ptr,
+    first_row,
+    row_valid,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """An experiment (``LaunchConfig.gathered_merge``): every split's log-sum in one load, then
+    the weighted sum over an unrolled loop whose loads depend on nothing computed before them.
+
+    The loop above waits for each split's two loads in turn (L2 round trips, one after another,
+    at the tail of the call where nothing else runs); here the compiler may issue them all at once.
+    """
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    in_range = offs_s < num_splits
+    lse = tl.load(
+        part_lse_ptr + first_row[:, None] + offs_s[None, :],
+        mask=row_valid[:, None] & in_range[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # [BLOCK_M, SPLITS_PAD]
+    m_all = tl.max(lse, axis=1)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    weights = tl.exp2(lse - m_safe[:, None])  # 0 for a split without keys and for padding
+    w_all = tl.sum(weights, axis=1)
+    merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for part in tl.static_range(SPLITS_PAD):
+        part_out = tl.load(
+            part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            mask=row_valid[:, None] & (part < num_splits),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        weight = tl.sum(tl.where(offs_s[None, :] == part, weights, 0.0), axis=1)
+        merged += part_out * weight[:, None]
+    return merged / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -390,6 +455,8 @@ class LaunchConfig:
     """A pure decode batch takes the search-free path (program i is sequence i); False searches."""
     prefetch_pages: bool = False
     """Each key tile's page numbers read one loop step ahead: an experiment no plan picks (run 8)."""
+    gathered_merge: bool = False
+    """With ``fuse_merge``: every split's result loaded at once, not one after another (an experiment)."""
 
 
 @lru_cache(maxsize=8)
@@ -536,6 +603,15 @@ class Variant:
     num_warps: int
     num_stages: int
     prefetch_pages: bool = False
+    gathered_merge_pad: int = 0
+    """The fused merge's MERGE_SPLITS_PAD (compiled per value); 0 for the loop in use."""
+
+
+def merge_splits_pad(config: LaunchConfig) -> int:
+    """MERGE_SPLITS_PAD for a launch: the split count padded to a power of two when the fused
+    merge gathers (``gathered_merge``), else 0 (the runtime loop, one compile for every count)."""
+    gathered = config.num_splits > 1 and config.fuse_merge and config.gathered_merge
+    return triton.next_power_of_2(config.num_splits) if gathered else 0
 
 
 def launch_variant(config: LaunchConfig, *, decode_batch: bool) -> Variant:
@@ -552,6 +628,7 @@ def launch_variant(config: LaunchConfig, *, decode_batch: bool) -> Variant:
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         prefetch_pages=config.prefetch_pages,
+        gathered_merge_pad=merge_splits_pad(config),
     )
 
 
@@ -781,6 +858,7 @@ def paged_attention(
         DECODE=decode,
         FUSE_MERGE=arrivals is not None,
         PREFETCH_PAGES=config.prefetch_pages,
+        MERGE_SPLITS_PAD=merge_splits_pad(config) if arrivals is not None else 0,
         INTERPRETER_BF16=INTERPRETING and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from flashmodel_kernels.paged_attention import (
     LaunchConfig,
     _merge_splits_kernel,
     _paged_attention_kernel,
+    merge_splits_pad,
 )
 
 __all__ = [
@@ -57,6 +59,12 @@ class CompileReport:
     ptx_lines: int
     async_copies: int = 0
     """``cp.async`` instructions: the loop's K/V loads were software-pipelined (sm_80 and later)."""
+    merge_tail: str = ""
+    """The machine code after the kernel's last atomic (the fused merge), run-length coded:
+    ``L`` a global load, ``f`` floating-point arithmetic, ``S`` a global store, ``|`` a branch.
+    The merge loop in use reads ``|L4f27|``: one split's loads and the arithmetic that waits for
+    them, inside a loop run once per split. Empty without an atomic, or where Triton's
+    ``nvdisasm`` is missing."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,36 @@ def _jit_function(kernel: Any) -> Any:
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
+_SASS_CLASSES = (
+    ("L", re.compile(r"\bLDG\b")),
+    ("S", re.compile(r"\bSTG\b")),
+    ("f", re.compile(r"\b(FFMA|FMUL|FADD|FMNMX|MUFU)\b")),
+    ("|", re.compile(r"\bBRA\b")),
+)
+
+
+def merge_tail(cubin: bytes) -> str:
+    """``CompileReport.merge_tail`` of a compiled kernel's cubin (sm_80 and later)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    atomics = [i for i, line in enumerate(lines) if re.search(r"\b(ATOMG|ATOM|RED)\b", line)]
+    if not atomics:
+        return ""
+    classes = []
+    for line in lines[atomics[-1] + 1 :]:
+        for letter, pattern in _SASS_CLASSES:
+            if pattern.search(line):
+                classes.append(letter)
+                break
+    return re.sub(r"(.)\1+", lambda m: f"{m.group(1)}{len(m.group(0))}", "".join(classes))
+
+
 def _compile(
     kernel: Any,
     dtype: torch.dtype,
@@ -178,6 +216,7 @@ def _compile(
         tf32_instructions=sum(1 for line in body if "tf32" in line),
         ptx_lines=len(body),
         async_copies=sum(1 for line in body if "cp.async" in line),
+        merge_tail=merge_tail(compiled.asm["cubin"]) if arch >= 80 else "",
     )
 
 
@@ -223,6 +262,7 @@ def compile_tile_attention(
         DECODE=int(decode and config.decode_path),
         FUSE_MERGE=int(config.num_splits > 1 and config.fuse_merge),
         PREFETCH_PAGES=int(config.prefetch_pages),
+        MERGE_SPLITS_PAD=merge_splits_pad(config),
         INTERPRETER_BF16=0,
     )
     reports = [
@@ -291,6 +331,7 @@ def _compile_in_child(
         *(["--fuse-merge"] if config.fuse_merge else []),
         *([] if config.decode_path else ["--search-path"]),
         *(["--prefetch-pages"] if config.prefetch_pages else []),
+        *(["--gathered-merge"] if config.gathered_merge else []),
     ]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -314,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fuse-merge", action="store_true", help="splits merged inside the attention kernel")
     parser.add_argument("--search-path", action="store_true", help="a decode batch on the searching path")
     parser.add_argument("--prefetch-pages", action="store_true", help="page numbers read one loop step ahead")
+    parser.add_argument("--gathered-merge", action="store_true", help="the fused merge loads every split at once")
     parser.add_argument("--num-kv-heads", type=int, default=EngineLayout.num_kv_heads)
     parser.add_argument("--max-model-len", type=int, default=EngineLayout.max_model_len)
     a = parser.parse_args(argv)
@@ -326,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         a.fuse_merge,
         decode_path=not a.search_path,
         prefetch_pages=a.prefetch_pages,
+        gathered_merge=a.gathered_merge,
     )
     reports = compile_tile_attention(
         dtype=getattr(torch, a.dtype),

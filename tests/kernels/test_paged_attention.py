@@ -177,6 +177,40 @@ def test_prefetched_pages_equal_the_plain_loop(
     assert torch.equal(plain, prefetched), note
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5, 8])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 37, 1, 2]])
+def test_gathered_merge_equals_the_merge_loop(
+    splits: int, query_lens: list[int], device: str, generator: torch.Generator
+) -> None:
+    # Loading every split at once and weighting them from one log-sum maximum computes the same
+    # merge as the running rescale, up to fp32 rounding: on the decode and the searching path,
+    # with an empty context (a sequence whose later splits hold no key) and a split count that
+    # is not a power of two (padding splits must weigh nothing).
+    batch, note = make(query_lens, [300, 19, 150, 0], group=7, device=device, generator=generator)
+    config = LaunchConfig(block_q=2, block_n=16, num_splits=splits, fuse_merge=True)
+    for _ in range(2):  # the merging program zeroes its counter: a second call must work as well
+        loop = run_and_check(batch, torch.float16, note, config)
+        gathered = run_and_check(batch, torch.float16, note, replace(config, gathered_merge=True))
+        torch.testing.assert_close(gathered, loop, rtol=2e-3, atol=2e-3, msg=note)
+        assert all(int(c.count_nonzero()) == 0 for c in _ARRIVALS.values()), "an arrival counter was left set"
+    merged_apart = run_and_check(batch, torch.float16, note, replace(config, fuse_merge=False, gathered_merge=True))
+    torch.testing.assert_close(merged_apart, loop, rtol=2e-3, atol=2e-3, msg=note)
+
+
+def test_gathered_merge_compiles_once_per_padded_split_count() -> None:
+    base = LaunchConfig(block_q=2, block_n=64, num_splits=3, fuse_merge=True)
+    assert launch_variant(base, decode_batch=True).gathered_merge_pad == 0  # the loop: any count
+    three = launch_variant(replace(base, gathered_merge=True), decode_batch=True)
+    four = launch_variant(replace(base, num_splits=4, gathered_merge=True), decode_batch=True)
+    five = launch_variant(replace(base, num_splits=5, gathered_merge=True), decode_batch=True)
+    assert three == four and three.gathered_merge_pad == 4 and five.gathered_merge_pad == 8
+    # Without the fused merge nothing gathers: the merge kernel runs, as without the flag.
+    apart = replace(base, fuse_merge=False)
+    assert launch_variant(replace(apart, gathered_merge=True), decode_batch=True) == launch_variant(
+        apart, decode_batch=True
+    )
+
+
 def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
     # Two contiguous tensors instead of vLLM 0.26's packed one: only the strides differ.
     batch, note = make([1, 5], [33, 64], group=6, device=device, generator=generator, packed_kv=False)
