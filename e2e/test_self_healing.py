@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from flashmodel_operator.remediation import GENERATION_HUNG, MEMORY_DIVERGENCE
+from flashmodel_operator.remediation import CONFIRM_SECONDS, GENERATION_HUNG, MEMORY_DIVERGENCE
 from flashmodel_operator.render import PREWARM_GATE
 
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
@@ -292,9 +292,11 @@ def test_prewarm_gates_traffic_then_model_ready(
     assert ready_ips == {p.ip for p in kubelet.pods.values()}
 
 
-FLAP_ON_SECONDS = 20.0
-"""Hog on this long: the engine's 10 s window passes, so its signal rises for ~10 s, short of the
-operator's 15 s confirmation."""
+FLAP_ON_AFTER_RISE_SECONDS = 4.0
+"""The hog stays on this long after the signal rises, so the signal is on for about as long (plus
+one sample), well short of the operator's 15 s confirmation. The test waits for the rise instead
+of holding the hog a fixed time: how long the engine takes to see its 10 s window of idle
+divergence depends on the machine (on a loaded one a fixed 20 s saw one rise in three)."""
 
 
 def test_a_flapping_divergence_signal_evicts_nothing(
@@ -304,27 +306,25 @@ def test_a_flapping_divergence_signal_evicts_nothing(
     names = set(kubelet.pods)
     target = kubelet.pods[sorted(names)[0]]
     evicted_before = operator_metric(REMEDIATED, {})
-    rises, was_on = 0, False
+    on_seconds = []
     for _ in range(3):
         target.hog_file.write_text("1536")
-        end = time.monotonic() + FLAP_ON_SECONDS
-        while time.monotonic() < end:
-            on = _divergence_signal(target.shim)
-            rises += on and not was_on
-            was_on = on
-            time.sleep(0.5)
+        # The signal really rises each time (else this proves nothing): wait_for fails otherwise.
+        wait_for("the signal rises", lambda: _divergence_signal(target.shim), timeout=60, interval=0.5)
+        rose_at = time.monotonic()
+        time.sleep(FLAP_ON_AFTER_RISE_SECONDS)
         target.hog_file.write_text("0")
         wait_for("the signal falls", lambda: not _divergence_signal(target.shim), timeout=20, interval=0.5)
-        was_on = False
+        on_seconds.append(time.monotonic() - rose_at)
         time.sleep(3)
-    # The signal really rose each time (else this proves nothing), and nobody was evicted for it.
-    assert rises >= 2, f"the divergence signal rose {rises} times; the test needs it to flap"
+    # Each time it was on for less than the confirmation, and nobody was evicted for it.
+    assert max(on_seconds) < CONFIRM_SECONDS, on_seconds
     time.sleep(5)
     assert {p["metadata"]["name"] for p in _pods(control_plane, ns)} == names
     assert all(_gate(p) for p in _pods(control_plane, ns)), "a pod was drained for a flapping signal"
     assert not get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"].get("remediations")
     assert operator_metric(REMEDIATED, {}) == evicted_before
-    print(f"bench: flapping divergence signal: {rises} rises of ~10 s, 0 evictions")
+    print(f"bench: flapping divergence signal: 3 rises, on {min(on_seconds):.1f}-{max(on_seconds):.1f} s, 0 evictions")
 
 
 def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
