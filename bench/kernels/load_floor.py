@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from flashmodel_kernels._triton import tl, triton
-from flashmodel_kernels.paged_attention import PAGE_SIZE, LaunchConfig
+from flashmodel_kernels.paged_attention import PAGE_SIZE, LaunchConfig, split_tiles
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -46,11 +46,7 @@ def _load_floor_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # The attention kernel's split ranges: whole key tiles, shared out evenly.
-    num_kv_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_kv_tiles)
+    tile_begin, tile_end = split_tiles(seq_len, split, num_splits, BLOCK_N)  # the attention's ranges
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     block_row = block_table_ptr + seq * stride_bt_seq

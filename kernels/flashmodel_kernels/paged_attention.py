@@ -104,6 +104,16 @@ SHARED_BUDGET_BYTES = 48 * 1024
 """Shared memory one program may plan for: the T4 allows 64 KB per block; the rest is headroom."""
 
 
+@triton.jit
+def split_tiles(kv_end, split, num_splits, BLOCK_N: tl.constexpr):
+    """Key tiles [begin, end) of one split of a key range of ``kv_end`` keys: whole BLOCK_N tiles,
+    shared out evenly (the last splits of a short range may get none)."""
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    return tile_begin, tl.minimum(tile_begin + tiles_per_split, num_kv_tiles)
+
+
 # num_splits is a runtime argument, not a constexpr: a new split count (a new batch size in eager
 # serving, or a benchmark sweep) must not cost a compile. Only whether to split is compiled in.
 # num_seqs likewise: Triton would otherwise compile a variant for 1, for multiples of 16 and for
@@ -211,10 +221,7 @@ def _paged_attention_kernel(
     # Keys this tile can see: up to the last valid query token's position, inclusive.
     last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
     kv_end = context_len + last_tok
-    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_kv_tiles)
+    tile_begin, tile_end = split_tiles(kv_end, split, num_splits, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
