@@ -4,7 +4,7 @@
 # calls that wait on it and bring back what it has written so far. Every pair the issue asks
 # for then comes from the same script run, in one machine hold. From the project root:
 #
-#   bash bench/gpu_bg.sh start RUN [slo_gpu.py args...]   # stage, wheel, models, launch, then follow
+#   DEVICE_LEFT_S=N bash bench/gpu_bg.sh start RUN [slo_gpu.py args...]   # stage, wheel, models, launch, follow
 #   bash bench/gpu_bg.sh follow RUN                       # wait (up to FOLLOW_S, default 560 s), copy back
 #
 # `start` needs the staged vLLM (.gpu/stage.sh; exit 3 while parts are missing) and builds the
@@ -28,7 +28,12 @@ copy_back() {
 follow() {
   local limit=${FOLLOW_S:-560} pid
   pid=$(cat "$dir/pid" 2>/dev/null) || { echo "no run $run"; return 2; }
-  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$limit" ]; do sleep 5; done
+  # Copies back every minute too: if the device's time ends during this call, what the run
+  # wrote by then still comes back with it.
+  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$limit" ]; do
+    sleep 5
+    [ $((SECONDS % 60)) -lt 5 ] && copy_back >/dev/null
+  done
   if kill -0 "$pid" 2>/dev/null; then echo "RUNNING after ${SECONDS}s"; else echo "FINISHED"; fi
   copy_back
 }
@@ -40,13 +45,19 @@ start)
     python3 -m pip install -q --no-deps --no-index --target /tmp/fmsite .gpu/slo/flashmodel-*.whl
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+  builds=()
   for shape in ${MODELS-0.5b 1.5b 7b}; do
-    [ -f "/tmp/slo-models/$shape/config.json" ] && continue
-    t0=$SECONDS
-    python3 bench/mkmodel.py "/tmp/slo-models/$shape" "$shape" | tail -n 1 || { echo "model $shape: build failed"; exit 4; }
-    echo "model $shape built in $((SECONDS - t0))s"
+    [ -f "/tmp/slo-models/$shape/config.json" ] || builds+=("/tmp/slo-models/$shape" "$shape")
   done
+  if [ ${#builds[@]} -gt 0 ]; then  # one process for all: torch's import is paid once
+    t0=$SECONDS
+    python3 bench/mkmodel.py "${builds[@]}" || { echo "model build failed"; exit 4; }
+    echo "models built in $((SECONDS - t0))s"
+  fi
   mkdir -p "$dir"
+  # DEVICE_LEFT_S (the device time left when this call began) sets the run's budget after the
+  # staging and model builds above, less MARGIN_S for the last copy back.
+  [ -n "${DEVICE_LEFT_S:-}" ] && set -- --budget-s $((DEVICE_LEFT_S - SECONDS - ${MARGIN_S:-45})) "$@"
   # The script writes its own pid: setsid may fork, and then $! would be a process already gone.
   setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 bench/slo_gpu.py --out "$0" "$@"' "$dir" "$@" \
     >"$dir/driver.log" 2>&1 </dev/null &

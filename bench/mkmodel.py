@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random-weight Qwen2-shaped model with a byte-level BPE tokenizer, for benchmarks and tests.
 
-    python3 bench/mkmodel.py OUTDIR SHAPE        # SHAPE: tiny | 0.5b | 1.5b | 7b
+    python3 bench/mkmodel.py OUTDIR SHAPE [OUTDIR SHAPE ...]   # SHAPE: tiny | 0.5b | 1.5b | 7b
 
 The shapes are those of ../shared/gpu/mk.py (no weights can be downloaded here: the arithmetic
 and memory traffic are the real model's, the text is noise). The tokenizer differs on purpose:
@@ -126,6 +126,11 @@ def build(out: str, shape: str) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[2] not in SHAPES:
-        sys.exit(f"usage: mkmodel.py OUTDIR {{{'|'.join(SHAPES)}}}")
-    print(build(sys.argv[1], sys.argv[2]))
+    # Several models per call: importing torch and transformers takes 10-15 s of each build on the
+    # GPU machine, and the device's time is the budget.
+    args = sys.argv[1:]
+    pairs = list(zip(args[::2], args[1::2], strict=True)) if args and len(args) % 2 == 0 else []
+    if not pairs or any(shape not in SHAPES for _, shape in pairs):
+        sys.exit(f"usage: mkmodel.py OUTDIR {{{'|'.join(SHAPES)}}} [OUTDIR SHAPE ...]")
+    for out, shape in pairs:
+        print(build(out, shape), flush=True)

@@ -97,6 +97,7 @@ class Env:
     sustain_s: float = 0.0  # after the search, hold the best rate this long (0: no sustained run)
     trial_s: float = 0.0  # seconds per search trial (0: the default, GPU_TRIAL_S on the GPU)
     rate_start: float = 0.0  # the search's first rate (0: the default, GPU_RATE_START on the GPU)
+    rate_max: float = 0.0  # the search's highest rate (0: the default, 512 on the GPU)
     extras: bool = True  # shared-prefix and JSON points for the cases that have them
     hold_rps: float = 0.0  # skip the search and hold this rate for sustain_s (an earlier search's maximum)
 
@@ -298,7 +299,8 @@ def search_settings(case: Case, env: Env) -> loadgen.SearchSettings:
     return loadgen.SearchSettings(
         slo_ttft_ms=300.0,
         rate_start=env.rate_start or (2.0 if env.smoke else GPU_RATE_START),
-        rate_max=8.0 if env.smoke else 512.0,
+        # A rate far above capacity costs its whole drain (tens of seconds) to learn nothing new.
+        rate_max=env.rate_max or (8.0 if env.smoke else 512.0),
         bisect_steps=1 if env.smoke else 2,
         trial_seconds=trial_s,
         trial_min_requests=8 if env.smoke else 32,
@@ -888,6 +890,7 @@ def main() -> int:
     p.add_argument(
         "--rate-start", type=float, default=0.0, help=f"the search's first rate (default {GPU_RATE_START:g} req/s)"
     )
+    p.add_argument("--rate-max", type=float, default=0.0, help="the search's highest rate (default 512 req/s)")
     p.add_argument("--no-extras", action="store_true", help="skip the shared-prefix and JSON points")
     p.add_argument("--hold-rps", type=float, default=0.0, help="no search: hold this rate for --sustain-s")
     p.add_argument(
@@ -915,6 +918,7 @@ def main() -> int:
         sustain_s=a.sustain_s,
         trial_s=a.trial_s,
         rate_start=a.rate_start,
+        rate_max=a.rate_max,
         extras=not a.no_extras,
         hold_rps=a.hold_rps,
     )

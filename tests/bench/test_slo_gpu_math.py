@@ -156,6 +156,19 @@ def test_longer_trials_hold_their_rate_for_their_whole_length(tmp_path: Path) ->
     assert loadgen.trial_requests(192.0, short) == 576
 
 
+def test_rate_max_caps_the_doubling_below_the_default(tmp_path: Path) -> None:
+    env = slo_gpu.Env(out=tmp_path, work=tmp_path, models=tmp_path, python="python3", smoke=False)
+    env.deadline = 10**9
+    case = slo_gpu.plan(smoke=False, tile=False, shim=False)[0]
+    assert slo_gpu.search_settings(case, env).rate_max == 512.0
+    env.rate_start, env.rate_max = 96.0, 256.0
+    capped = slo_gpu.search_settings(case, env)
+    # From 96 the doubling goes to 192, then to the cap instead of 384 (a drain that teaches nothing).
+    assert loadgen.next_rate({96.0: True}, 0, capped) == 192.0
+    assert loadgen.next_rate({96.0: True, 192.0: True}, 0, capped) == 256.0
+    assert loadgen.next_rate({96.0: True, 192.0: True, 256.0: True}, 0, capped) is None
+
+
 def test_hold_rps_without_sustain_s_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
