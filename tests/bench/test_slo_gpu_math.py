@@ -142,6 +142,22 @@ def test_every_case_gets_empty_triton_and_vllm_caches(tmp_path: Path) -> None:
     assert other["TRITON_CACHE_DIR"] != env["TRITON_CACHE_DIR"]
 
 
+def test_only_the_model_class_facts_carry_over_to_later_cases(tmp_path: Path) -> None:
+    first = slo_gpu.fresh_caches(tmp_path, "t4-0.5b")
+    assert not any(Path(first["VLLM_CACHE_ROOT"]).iterdir())  # the first case finds nothing
+    info = Path(first["VLLM_CACHE_ROOT"]) / "modelinfos" / "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json"
+    info.parent.mkdir()
+    info.write_text('{"modelinfo": {}}')
+    (Path(first["VLLM_CACHE_ROOT"]) / "torch_compile_cache").mkdir()  # compiled code stays behind
+    (Path(first["TRITON_CACHE_DIR"]) / "kernel.cubin").write_bytes(b"x")
+    slo_gpu.keep_modelinfos(tmp_path, "t4-0.5b")
+    later = slo_gpu.fresh_caches(tmp_path, "defaults-0.5b")
+    carried = sorted(p.relative_to(later["VLLM_CACHE_ROOT"]) for p in Path(later["VLLM_CACHE_ROOT"]).rglob("*"))
+    assert carried == [Path("modelinfos"), info.relative_to(first["VLLM_CACHE_ROOT"])]
+    assert (Path(later["VLLM_CACHE_ROOT"]) / carried[1]).read_text() == '{"modelinfo": {}}'
+    assert not any(Path(later["TRITON_CACHE_DIR"]).iterdir())
+
+
 def test_longer_trials_hold_their_rate_for_their_whole_length(tmp_path: Path) -> None:
     env = slo_gpu.Env(out=tmp_path, work=tmp_path, models=tmp_path, python="python3", smoke=False)
     env.deadline = 10**9
