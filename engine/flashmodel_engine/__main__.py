@@ -1,4 +1,4 @@
-"""Entry point: `python -m flashmodel_engine launch|preflight|prewarm`."""
+"""Entry point: `python -m flashmodel_engine launch|preflight|prewarm|bake-modelinfos`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,19 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_bake_modelinfos(args: argparse.Namespace) -> int:
+    from flashmodel_engine.modelinfos import bake_modelinfos
+
+    try:
+        written = bake_modelinfos(args.architectures, Path(args.into))
+    except ValueError as e:
+        print(f"bake-modelinfos: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0 if written else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     parser = argparse.ArgumentParser(prog="flashmodel_engine", description=__doc__)
@@ -99,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--api-key-file", default=None)
     p.set_defaults(func=cmd_prewarm)
+    p = sub.add_parser("bake-modelinfos",
+                       help="at image build: cache vLLM's model-class inspection, for the launcher to seed")
+    p.add_argument("--into", default="/opt/flashmodel/vllm-modelinfos")
+    p.add_argument("architectures", nargs="+", help="vLLM architecture names, e.g. Qwen2ForCausalLM")
+    p.set_defaults(func=cmd_bake_modelinfos)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.modelinfos import seed_modelinfos
 from flashmodel_engine.profiles import vllm_args, vllm_env
 
 log = logging.getLogger("flashmodel.launcher")
@@ -89,6 +90,7 @@ class EngineProcess:
     async def start(self) -> None:
         """Spawn vLLM in its own session, so signals reach it only through us."""
         env = engine_environment(self.config)
+        seed_modelinfos(env)  # spares vLLM re-deriving them in a subprocess (flashmodel_engine/modelinfos.py)
         self._proc = await asyncio.create_subprocess_exec(
             *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,

@@ -43,6 +43,16 @@ def tiny_model() -> Path:
     return build_tiny_model()
 
 
+@pytest.fixture(scope="session")
+def baked_modelinfos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the image's build step bakes: vLLM's inspection of the tiny model's class, run once."""
+    into = tmp_path_factory.mktemp("baked") / "modelinfos"
+    subprocess.run([sys.executable, "-m", "flashmodel_engine", "bake-modelinfos", "--into", str(into),
+                    "Qwen2ForCausalLM"], check=True, capture_output=True, timeout=300,
+                   env=os.environ | {"PYTHONPATH": str(REPO / "engine")})
+    return into
+
+
 class Reply:
     """An HTTP answer: status and parsed JSON (or text)."""
 
@@ -83,7 +93,8 @@ def metric(text: str, name: str, labels: str = "") -> float:
 class LaunchedEngine:
     """`python -m flashmodel_engine launch` as a subprocess, the way the pod runs it."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], extra_args: list[str] | None = None) -> None:
+    def __init__(self, workdir: Path, config: dict[str, Any], extra_args: list[str] | None = None,
+                 env_extra: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         self.config = config
         self.config_path = workdir / "engine.yaml"
@@ -101,6 +112,7 @@ class LaunchedEngine:
             FLASHMODEL_TEST_MEMORY_HOG_FILE=str(self.hog_file),
             FLASHMODEL_TERMINATION_LOG=str(self.termination_log),
         )
+        env.update(env_extra or {})
         self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flashmodel_engine", "launch", "--config", str(self.config_path),
@@ -168,9 +180,9 @@ def engine_config(model: Path, **overrides: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def launched(workdir: Path, config: dict[str, Any], extra_args: list[str] | None = None
-             ) -> Iterator[LaunchedEngine]:
-    engine = LaunchedEngine(workdir, config, extra_args)
+def launched(workdir: Path, config: dict[str, Any], extra_args: list[str] | None = None,
+             env_extra: dict[str, str] | None = None) -> Iterator[LaunchedEngine]:
+    engine = LaunchedEngine(workdir, config, extra_args, env_extra)
     try:
         engine.wait_started()
         yield engine

@@ -11,6 +11,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from flashmodel_engine.modelinfos import BAKED_BY
+from flashmodel_engine.modelinfos import SEED_ENV as FLASHMODEL_SEED_ENV
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS
 
 from tests.engine.conftest import LaunchedEngine, engine_config, have_vllm, http, launched, metric
@@ -21,12 +23,16 @@ API_KEY = "test-key-7f3a"
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedEngine]:
-    """One engine for this module, prewarm left to POST /prewarm so 'before prewarm' is observable."""
+def engine(tiny_model: Path, baked_modelinfos: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[LaunchedEngine]:
+    """One engine for this module, prewarm left to POST /prewarm so 'before prewarm' is observable.
+
+    Its vLLM cache starts empty, with the image's baked model facts to seed it (as in a new pod)."""
     workdir = tmp_path_factory.mktemp("engine")
     (workdir / "api-key").write_text(API_KEY + "\n")
     config = engine_config(tiny_model, auth={"apiKeyFile": str(workdir / "api-key")})
-    with launched(workdir, config, ["--no-prewarm-on-start"]) as e:
+    seeded = {"VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), FLASHMODEL_SEED_ENV: str(baked_modelinfos)}
+    with launched(workdir, config, ["--no-prewarm-on-start"], seeded) as e:
         yield e
 
 
@@ -69,6 +75,15 @@ def test_launcher_started_vllm_with_the_profile_command_line(engine: LaunchedEng
     # The API key configured is enforced by vLLM itself.
     body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1}).encode()
     assert http("POST", engine.engine + "/v1/completions", body, {"Content-Type": "application/json"}).status == 401
+
+
+def test_vllm_started_from_the_baked_model_facts(engine: LaunchedEngine, baked_modelinfos: Path) -> None:
+    assert "event=modelinfos-seeded" in engine.log_path.read_text(errors="replace")
+    [baked] = baked_modelinfos.glob("*.json")
+    cached = engine.workdir / "vllm-cache" / "modelinfos" / baked.name
+    # vLLM rewrites a file it finds stale (its own JSON, without our key); this one it took as is.
+    assert json.loads(cached.read_text()) == json.loads(baked.read_text())
+    assert json.loads(cached.read_text())["bakedBy"] == BAKED_BY
 
 
 def test_probes_before_and_after_prewarm(engine: LaunchedEngine) -> None:
