@@ -139,10 +139,15 @@ def main() -> None:
             results["b"] = asyncio.run(run_b(b))
     results["first_ttft_ratio_without_over_with_prewarm"] = round(
         results["a"]["first_ttft_ms_without_prewarm"] / results["b"]["first_ttft_ms_after_prewarm"], 1)
+    emit(results, args.out)
+
+
+def emit(results: dict[str, Any], out: Path | None) -> None:
+    """Print the results as JSON, and keep them in `out` when given (docs/benchmarks.md cites it)."""
     text = json.dumps(results, indent=2)
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    if out:
+        out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ engine `--pairs` times each way, alternating, one at a time: every start gets an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ from typing import Any
 
 from flashmodel_engine.modelinfos import SEED_ENV
 
+from tests.engine.bench_engine import emit
 from tests.engine.conftest import REPO, engine_config, launched, metric
 from tests.support.tiny_model import build_tiny_model
 
@@ -63,10 +63,7 @@ def main() -> None:
     results["median_cold_s"] = statistics.median(results["cold"])
     results["median_seeded_s"] = statistics.median(results["seeded"])
     results["seeded_over_cold"] = round(results["median_seeded_s"] / results["median_cold_s"], 3)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":
