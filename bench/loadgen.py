@@ -692,6 +692,13 @@ class SearchSettings:
     # before it counts (docs/benchmarks.md, "SLO benchmark").
     warmup: bool = True
     retries_on_failure: int = 1
+    # A failure that is plainly an overload is not run again: TTFT p99 above overload_ttft_ms while
+    # the server completed less than overload_fraction of the offered rate (a queue that grew for
+    # the whole trial). The retry is for one-off stalls, which lasted 0.7-1.3 s on the H200; in SLO
+    # runs 17-18 every failure past 2 s with under 85 % delivered failed its retry too, and each
+    # such retry cost 15-25 s of device time. 0 (the default) retries every failure.
+    overload_ttft_ms: float = 0.0
+    overload_fraction: float = 0.85
 
 
 def trial_requests(rate: float, s: SearchSettings) -> int:
@@ -724,6 +731,14 @@ def next_rate(passed: dict[float, bool], bisections: int, s: SearchSettings) -> 
     if bisections >= s.bisect_steps:
         return None
     return round((best + worst) / 2, 3)
+
+
+def is_overload(summary: dict[str, Any], rate: float, s: SearchSettings) -> bool:
+    """A failed trial whose queue grew all along: no retry can pass it (SearchSettings.overload_*)."""
+    ttft, achieved = summary.get("ttft_p99_ms"), summary.get("achieved_rps")
+    if not s.overload_ttft_ms or ttft is None or achieved is None:
+        return False
+    return bool(ttft > s.overload_ttft_ms and achieved < s.overload_fraction * rate)
 
 
 TrialRunner = Callable[[float, RunLimits], Awaitable[tuple[list[RequestResult], float]]]
@@ -796,18 +811,23 @@ async def search_max_rate(
             entry = record(rate, results, wall) | {"attempt": attempt}
             trials.append(entry)
             summary = entry["summary"]
+            overload = not entry["passed"] and is_overload(summary, rate, settings)
             retry = (
                 not entry["passed"]
+                and not overload
                 and attempt < settings.retries_on_failure
                 and time.perf_counter() - started <= settings.max_total_s
             )
             entry["counted"] = not retry
+            if overload:
+                entry["overload"] = True
             log(
                 "trial",
                 rate=rate,
                 attempt=attempt,
                 passed=entry["passed"],
                 counted=entry["counted"],
+                overload=overload,
                 ttft_p99_ms=summary["ttft_p99_ms"],
                 max_gap_p99_ms=summary["max_gap_p99_ms"],
                 errors=summary["errors"],

@@ -289,6 +289,11 @@ the search passed rates the server could not hold (t4-1.5b: 192 req/s passed in 
 at 192 gave TTFT p99 16.5 s at 142 req/s achieved; with 12 s trials its maximum was 96)."""
 GPU_RATE_START = 32.0
 """Every GPU case passed 32 req/s in runs 1-8; starting there keeps 12 s trials within budget."""
+GPU_OVERLOAD_TTFT_MS = 2000.0
+"""A failing GPU trial past this TTFT p99 with under 85 % of its rate delivered is not retried
+(loadgen.SearchSettings.overload_ttft_ms). Runs 17-18 retried every failure: 12 first attempts
+fit this rule and all 12 failed their retry too; the 4 that passed on the retry had failed with
+TTFT p99 354-971 ms (run 17 t4-7b, tile and launcher at 128; run 18 t4-0.5b at 144). From run 19."""
 GPU_SEARCH_S = 110.0
 """Doubling 32..256 and two bisections at 12 s a trial, one retry included."""
 
@@ -301,6 +306,7 @@ def search_settings(case: Case, env: Env) -> loadgen.SearchSettings:
         rate_start=env.rate_start or (2.0 if env.smoke else GPU_RATE_START),
         # A rate far above capacity costs its whole drain (tens of seconds) to learn nothing new.
         rate_max=env.rate_max or (8.0 if env.smoke else 512.0),
+        overload_ttft_ms=0.0 if env.smoke else GPU_OVERLOAD_TTFT_MS,
         bisect_steps=1 if env.smoke else 2,
         trial_seconds=trial_s,
         trial_min_requests=8 if env.smoke else 32,

@@ -8,6 +8,7 @@ overload must still fail it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -172,3 +173,63 @@ async def test_an_overload_still_fails_after_the_retry(warmup: bool) -> None:
     assert calls == ([4] if warmup else []) + [4, 8, 16, 32, 64, 64, 48, 48, 40, 40, 36]
     assert result["retried_rates"] == [40, 48, 64]
     assert result["at_max"]["ttft_p99_ms"] == 50.0
+
+
+def _fixed_trial(outcomes: dict[float, list[tuple[float, float]]], calls: list[float]) -> loadgen.TrialRunner:
+    """Each rate's attempts in order: (TTFT in s, fraction of the rate delivered)."""
+
+    async def trial(rate: float, limits: RunLimits) -> tuple[list[RequestResult], float]:
+        calls.append(rate)
+        ttft, delivered = outcomes[rate].pop(0) if rate in outcomes else (0.05, 1.0)
+        n = limits.num_requests
+        results = [
+            RequestResult(
+                index=i, prompt_tokens=1, scheduled_s=0.0, ok=True, ttft_s=ttft, e2e_s=ttft + 0.1, output_tokens=4
+            )
+            for i in range(n)
+        ]
+        return results, n / (rate * delivered)  # achieved_rps = delivered x rate
+
+    return trial
+
+
+async def test_a_plain_overload_is_not_run_again_but_a_stall_is() -> None:
+    calls: list[float] = []
+    settings = SearchSettings(
+        rate_start=32, rate_max=256, bisect_steps=1, warmup=False, retries_on_failure=1, overload_ttft_ms=2000
+    )
+    outcomes = {
+        # 64: a stall (1.2 s, 95 % delivered): run again, and the retry passes.
+        64.0: [(1.2, 0.95), (0.05, 1.0)],
+        # 128: an overload (6 s, 60 % delivered): counted at once.
+        128.0: [(6.0, 0.6)],
+        # 96: slow (2.5 s) but 90 % delivered: not plainly an overload, so run again; fails again.
+        96.0: [(2.5, 0.9), (2.5, 0.9)],
+    }
+    async with loadgen.new_session(8) as session:
+        result = await loadgen.search_max_rate(
+            session,
+            Target("http://127.0.0.1:9", "m"),
+            WORKLOAD,
+            settings,
+            LIMITS,
+            run_trial=_fixed_trial(outcomes, calls),
+        )
+    assert calls == [32, 64, 64, 128, 96, 96]
+    assert (result["max_rate_rps"], result["first_failing_rps"]) == (64, 96)
+    assert result["retried_rates"] == [64, 96]
+    assert [t.get("overload", False) for t in result["trials"]] == [False, False, False, True, False, False]
+    # Off by default: the same overload is run again.
+    calls.clear()
+    default = dataclasses.replace(settings, overload_ttft_ms=0.0)
+    outcomes = {64.0: [(0.05, 1.0)], 128.0: [(6.0, 0.6), (6.0, 0.6)], 96.0: [(0.05, 1.0)]}
+    async with loadgen.new_session(8) as session:
+        await loadgen.search_max_rate(
+            session,
+            Target("http://127.0.0.1:9", "m"),
+            WORKLOAD,
+            default,
+            LIMITS,
+            run_trial=_fixed_trial(outcomes, calls),
+        )
+    assert calls == [32, 64, 128, 128, 96]
