@@ -153,19 +153,19 @@ def _fake_trial(capacity: float, calls: list[float]) -> loadgen.TrialRunner:
     return trial
 
 
+async def _search_offline(settings: SearchSettings, trial: loadgen.TrialRunner) -> dict[str, Any]:
+    """The search with `trial` in place of the open-loop runs: no server is reached."""
+    async with loadgen.new_session(8) as session:
+        return await loadgen.search_max_rate(
+            session, Target("http://127.0.0.1:9", "m"), WORKLOAD, settings, LIMITS, run_trial=trial
+        )
+
+
 @pytest.mark.parametrize("warmup", [True, False])
 async def test_an_overload_still_fails_after_the_retry(warmup: bool) -> None:
     calls: list[float] = []
     settings = SearchSettings(rate_start=4, rate_max=256, bisect_steps=3, warmup=warmup, retries_on_failure=1)
-    async with loadgen.new_session(8) as session:
-        result = await loadgen.search_max_rate(
-            session,
-            Target("http://127.0.0.1:9", "m"),
-            WORKLOAD,
-            settings,
-            LIMITS,
-            run_trial=_fake_trial(37.0, calls),
-        )
+    result = await _search_offline(settings, _fake_trial(37.0, calls))
     # The same bracket as the search without retries (test_slo_stats: 4, 8, 16, 32, 64, 48, 40, 36),
     # each failing rate run twice.
     assert result["max_rate_rps"] == 36
@@ -206,15 +206,7 @@ async def test_a_plain_overload_is_not_run_again_but_a_stall_is() -> None:
         # 96: slow (2.5 s) but 90 % delivered: not plainly an overload, so run again; fails again.
         96.0: [(2.5, 0.9), (2.5, 0.9)],
     }
-    async with loadgen.new_session(8) as session:
-        result = await loadgen.search_max_rate(
-            session,
-            Target("http://127.0.0.1:9", "m"),
-            WORKLOAD,
-            settings,
-            LIMITS,
-            run_trial=_fixed_trial(outcomes, calls),
-        )
+    result = await _search_offline(settings, _fixed_trial(outcomes, calls))
     assert calls == [32, 64, 64, 128, 96, 96]
     assert (result["max_rate_rps"], result["first_failing_rps"]) == (64, 96)
     assert result["retried_rates"] == [64, 96]
@@ -223,13 +215,5 @@ async def test_a_plain_overload_is_not_run_again_but_a_stall_is() -> None:
     calls.clear()
     default = dataclasses.replace(settings, overload_ttft_ms=0.0)
     outcomes = {64.0: [(0.05, 1.0)], 128.0: [(6.0, 0.6), (6.0, 0.6)], 96.0: [(0.05, 1.0)]}
-    async with loadgen.new_session(8) as session:
-        await loadgen.search_max_rate(
-            session,
-            Target("http://127.0.0.1:9", "m"),
-            WORKLOAD,
-            default,
-            LIMITS,
-            run_trial=_fixed_trial(outcomes, calls),
-        )
+    await _search_offline(default, _fixed_trial(outcomes, calls))
     assert calls == [32, 64, 128, 128, 96]
