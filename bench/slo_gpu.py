@@ -38,6 +38,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of scripts, imported as a namespace package
+sys.path.insert(1, str(ROOT / "engine"))  # the engine's own cache seeding (stdlib only)
+from flashmodel_engine.modelinfos import SEED_ENV, SUBDIR, seed_modelinfos  # noqa: E402
+
 from bench import loadgen  # noqa: E402
 
 T4_BANDWIDTH = 320e9  # bytes/s, the T4's datasheet peak
@@ -453,20 +456,17 @@ def fresh_caches(work: Path, case_name: str) -> dict[str, str]:
     # facts read from its source, not compiled code). Without it every API server inspects the class
     # in a subprocess that imports vLLM again: 10.6 s on the CPU machine, about 20 s of each case's
     # start-up on the H200 host (run 18), the same for every case. An image can bake this folder in.
-    known = work / MODELINFOS
-    if known.is_dir():
-        shutil.copytree(known, root / "vllm" / MODELINFOS)
-    return {"TRITON_CACHE_DIR": str(root / "triton"), "VLLM_CACHE_ROOT": str(root / "vllm")}
-
-
-MODELINFOS = "modelinfos"  # the folder under VLLM_CACHE_ROOT where vLLM's registry keeps them
+    # The engine launcher seeds a new pod's cache the same way (flashmodel_engine/modelinfos.py).
+    env = {"TRITON_CACHE_DIR": str(root / "triton"), "VLLM_CACHE_ROOT": str(root / "vllm")}
+    seed_modelinfos(env | {SEED_ENV: str(work / SUBDIR)})
+    return env
 
 
 def keep_modelinfos(work: Path, case_name: str) -> None:
     """After a case: keep the model-class facts its server wrote, for the cases after it."""
-    written = work / f"cache-{case_name}" / "vllm" / MODELINFOS
+    written = work / f"cache-{case_name}" / "vllm" / SUBDIR
     if written.is_dir():
-        shutil.copytree(written, work / MODELINFOS, dirs_exist_ok=True)
+        shutil.copytree(written, work / SUBDIR, dirs_exist_ok=True)
 
 
 def engine_config(model: Path, case: Case, env: Env) -> Path:
@@ -968,7 +968,6 @@ def main() -> int:
         "t4_profile_args": T4_ARGS,
     }
     try:  # the project's own profile function must agree with what is written above
-        sys.path.insert(0, str(ROOT / "engine"))
         from flashmodel_engine.config import parse_config
         from flashmodel_engine.profiles import vllm_args
 
