@@ -438,6 +438,11 @@ class ControlPlane:
                 f"--service-account-private-key-file={pki.sa_key}",
                 f"--root-ca-file={pki.ca_crt}",
                 "--use-service-account-credentials=false",
+                # With one shared credential every controller draws on one client's rate limit
+                # (default 20 requests/s); namespace deletion after each test spends it in bursts,
+                # and ReplicaSet/Deployment status updates can wait behind them.
+                "--kube-api-qps=100",
+                "--kube-api-burst=200",
                 f"--cluster-signing-cert-file={pki.ca_crt}",
                 f"--cluster-signing-key-file={pki.ca_key}",
                 "--bind-address=127.0.0.1",

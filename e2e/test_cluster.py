@@ -21,6 +21,7 @@ from e2e.cluster import (
     POD_CIDR,
     T4_PRODUCT,
     ControlPlane,
+    ControlPlaneError,
     free_ports,
     wait_until,
 )
@@ -60,6 +61,24 @@ def running_pods(cp: ControlPlane, ns: str, selector: str, want: int, timeout: f
 
     wait_until(f"{want} running pods {ns}/{selector}", ready, timeout)
     return pods
+
+
+def rollout_state(cp: ControlPlane, ns: str, selector: str) -> str:
+    """The Deployments, ReplicaSets and pods of ns (with the controller-manager's last log lines), for a failure."""
+    lines = []
+    for kind in ("deployments", "replicasets"):
+        for obj in get_json(cp, kind, "-n", ns)["items"]:
+            lines.append(f"{kind}/{obj['metadata']['name']} status={json.dumps(obj.get('status', {}))}")
+    for pod in get_json(cp, "pods", "-n", ns, "-l", selector)["items"]:
+        status = pod.get("status", {})
+        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+        lines.append(
+            f"pod/{pod['metadata']['name']} node={pod['spec'].get('nodeName')} phase={status.get('phase')} "
+            f"conditions={conditions}"
+        )
+    kcm = next((c for c in cp.components if c.name == "kube-controller-manager"), None)
+    lines.append("kube-controller-manager log:\n" + (kcm.log_tail(40) if kcm is not None else "(not started)"))
+    return "\n".join(lines)
 
 
 def test_components_report_the_built_versions(control_plane: ControlPlane) -> None:
@@ -134,13 +153,21 @@ def test_gpu_deployment_is_scheduled_onto_t4_nodes_and_runs(control_plane: Contr
     if max(gpus_per_node.values()) == 1:
         assert len({p["spec"]["nodeName"] for p in pods}) == 2
     deploy = get_json(control_plane, "deployment", "engine", "-n", k8s_namespace)
-    wait_until(
-        "deployment available",
-        lambda: (
-            get_json(control_plane, "deployment", "engine", "-n", k8s_namespace)["status"].get("availableReplicas") == 2
-        ),
-        30,
-    )
+    # Availability goes pod -> ReplicaSet -> Deployment through two controllers of the
+    # controller-manager; on a loaded CI machine that once took over 30 s, so the wait is long
+    # (it returns as soon as it holds) and a failure shows each link of the chain.
+    try:
+        wait_until(
+            "deployment available",
+            lambda: (
+                get_json(control_plane, "deployment", "engine", "-n", k8s_namespace)["status"].get("availableReplicas")
+                == 2
+            ),
+            120,
+            alive=control_plane.check_alive,
+        )
+    except ControlPlaneError as e:
+        raise AssertionError(f"{e}\n{rollout_state(control_plane, k8s_namespace, 'app=engine')}") from e
     assert deploy["metadata"]["name"] == "engine"
 
 
