@@ -10,18 +10,20 @@
 # `start` needs the staged vLLM (.gpu/stage.sh; exit 3 while parts are missing) and builds the
 # models named in MODELS (default "0.5b 1.5b 7b") on the GPU first: the GPU is idle then, and a
 # model built on the CPU during a case would take the host the eager engine needs.
-# What comes back, under $OUT/RUN: driver.log, slo_table.md, servers.log, slo_results.json.gz.
+# What comes back, under $OUT/RUN: driver.log, servers.log, the script's tables (*.md) and results (*.json.gz).
 set -uo pipefail
 cmd=${1:?start or follow} run=${2:?run name}
 shift 2
 dir=/tmp/slo-bg/$run
+# SCRIPT: the benchmark to run (bench/goodput_gpu.py: the goodput comparison in a T4 envelope).
+export SCRIPT=${SCRIPT:-bench/slo_gpu.py}
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried
 
 copy_back() {
   mkdir -p "$OUT/$run"
-  cp "$dir"/driver.log "$dir"/slo_table.md "$dir"/servers.log "$OUT/$run/" 2>/dev/null
-  [ -f "$dir/slo_results.json" ] && gzip -c "$dir/slo_results.json" >"$OUT/$run/slo_results.json.gz"
+  cp "$dir"/driver.log "$dir"/*.md "$dir"/servers.log "$OUT/$run/" 2>/dev/null
+  for f in "$dir"/*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/$run/$(basename "$f").gz"; done
   tail -n 4 "$dir/driver.log" 2>/dev/null | cut -c1-400
 }
 
@@ -59,7 +61,7 @@ start)
   # staging and model builds above, less MARGIN_S for the last copy back.
   [ -n "${DEVICE_LEFT_S:-}" ] && set -- --budget-s $((DEVICE_LEFT_S - SECONDS - ${MARGIN_S:-45})) "$@"
   # The script writes its own pid: setsid may fork, and then $! would be a process already gone.
-  setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 bench/slo_gpu.py --out "$0" "$@"' "$dir" "$@" \
+  setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 "$SCRIPT" --out "$0" "$@"' "$dir" "$@" \
     >"$dir/driver.log" 2>&1 </dev/null &
   sleep 1
   echo "started $run pid $(cat "$dir/pid") at ${SECONDS}s"

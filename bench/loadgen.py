@@ -210,10 +210,16 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
     return summary
 
 
-def meets_slo(summary: dict[str, Any], slo_ttft_ms: float) -> bool:
-    """A rate passes when nothing failed and TTFT p99 is within the SLO."""
+def meets_slo(summary: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float = 0.0) -> bool:
+    """A rate passes when nothing failed, TTFT p99 is within the SLO and, with `slo_tpot_ms`, so is
+    TPOT p99 (goodput: a fast first token followed by a stalling stream is no pass)."""
     p99 = summary.get("ttft_p99_ms")
-    return bool(summary["errors"] == 0 and summary["ok"] > 0 and p99 is not None and p99 <= slo_ttft_ms)
+    if not (summary["errors"] == 0 and summary["ok"] > 0 and p99 is not None and p99 <= slo_ttft_ms):
+        return False
+    if slo_tpot_ms:
+        tpot = summary.get("tpot_p99_ms")
+        return tpot is not None and tpot <= slo_tpot_ms
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +267,7 @@ class Prompt:
     text: str
     token_ids: tuple[int, ...] | None
     tokens: int
+    max_tokens: int | None = None  # this request's output length; None: the workload's max_tokens
 
 
 @dataclasses.dataclass
@@ -279,6 +286,11 @@ class Workload:
     json_via: Literal["schema", "regex", "response_format"] = "schema"
     token_ids: bool = True
 
+    def output_range(self) -> tuple[int, int] | None:
+        """(shortest, longest) per-request output length, or None when every request has max_tokens."""
+        own = [p.max_tokens for p in self.prompts if p.max_tokens is not None]
+        return (min(own), max(own)) if own else None
+
     def describe(self) -> dict[str, Any]:
         lengths = [p.tokens for p in self.prompts]
         return {
@@ -290,6 +302,7 @@ class Workload:
             "variant": self.variant,
             "prompt_format": self.prompt_format,
             "max_tokens": self.max_tokens,
+            "output_tokens_range": self.output_range(),
             "ignore_eos": self.ignore_eos,
             "temperature": 0.0,
             "cache_salt": self.cache_salt,
@@ -361,10 +374,34 @@ async def build_workload(
     spread: int = 96,
     variant: Variant = "plain",
     seed: int = 0,
+    output_tokens: tuple[int, int] | None = None,
     **settings: Any,
 ) -> Workload:
     """The field reports' prompts. With a tokenizer, each prompt has exactly its planned length
-    and round-trips (text -> ids -> text); without one, one word is assumed to be one token."""
+    and round-trips (text -> ids -> text); without one, one word is assumed to be one token.
+
+    `output_tokens` (lo, hi) gives every request its own output length, uniform in [lo, hi]
+    (with ignore_eos, what it generates): the field's answers are 30-50 characters, a spread, and
+    one fixed length makes closed-loop clients finish on the same step and restart together."""
+    workload = await _build_prompts(tok, count, mean_tokens, spread, variant, seed, settings)
+    if output_tokens is not None:
+        lo, hi = output_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"output_tokens must be (lo, hi) with 1 <= lo <= hi, got {output_tokens}")
+        rng = random.Random(seed + 2)
+        workload.prompts = [dataclasses.replace(p, max_tokens=rng.randint(lo, hi)) for p in workload.prompts]
+    return workload
+
+
+async def _build_prompts(
+    tok: TokenizerClient | None,
+    count: int,
+    mean_tokens: int,
+    spread: int,
+    variant: Variant,
+    seed: int,
+    settings: dict[str, Any],
+) -> Workload:
     lengths = prompt_lengths(count, mean_tokens, spread, seed)
     rng = random.Random(seed + 1)
     prefix = TEMPLATE if variant == "shared-prefix" else ""
@@ -409,7 +446,7 @@ def request_body(target: Target, workload: Workload, prompt: Prompt, salt: str |
     """The path and JSON body of one streaming request."""
     body: dict[str, Any] = {
         "model": target.model,
-        "max_tokens": workload.max_tokens,
+        "max_tokens": prompt.max_tokens or workload.max_tokens,
         "temperature": 0.0,
         "stream": True,
         # The last chunk then carries usage.completion_tokens: the true output length, not a
@@ -676,6 +713,9 @@ class SearchSettings:
     """How the search for the highest rate within the TTFT SLO steps and how long each trial is."""
 
     slo_ttft_ms: float = 300.0
+    # TPOT p99 limit for goodput (0: TTFT alone decides, the older SLO). The field reports' "200
+    # characters without stalling" at 50 ms a token is 10 s for 200 tokens, a reading pace.
+    slo_tpot_ms: float = 0.0
     rate_start: float = 4.0
     rate_min: float = 0.25
     rate_max: float = 256.0
@@ -776,7 +816,7 @@ async def search_max_rate(
         summary = summarize(results, wall)
         return {
             "rate_rps": rate,
-            "passed": meets_slo(summary, settings.slo_ttft_ms),
+            "passed": meets_slo(summary, settings.slo_ttft_ms, settings.slo_tpot_ms),
             "summary": summary,
             "requests": [dataclasses.asdict(r) | {"tpot_s": r.tpot_s} for r in results],
         }
@@ -843,6 +883,7 @@ async def search_max_rate(
     best_trial = next((t for t in trials if t["rate_rps"] == best and t["counted"]), None)
     return {
         "slo_ttft_ms": settings.slo_ttft_ms,
+        "slo_tpot_ms": settings.slo_tpot_ms,
         "max_rate_rps": best,
         "at_max": best_trial["summary"] if best_trial else None,
         "first_failing_rps": worst,
@@ -951,6 +992,7 @@ async def prepare(args: argparse.Namespace, session: aiohttp.ClientSession) -> t
         api=args.api,
         prompt_format=args.prompt_format,
         max_tokens=args.max_tokens,
+        output_tokens=_output_range(args.output_tokens),
         ignore_eos=not args.no_ignore_eos,
         cache_salt=not args.no_cache_salt,
         json_via=args.json_via,
@@ -958,6 +1000,17 @@ async def prepare(args: argparse.Namespace, session: aiohttp.ClientSession) -> t
     )
     log("workload", **{k: v for k, v in workload.describe().items() if v is not None})
     return target, workload
+
+
+def _output_range(text: str) -> tuple[int, int] | None:
+    """--output-tokens LO,HI as a range, '' as None (every request has --max-tokens)."""
+    if not text:
+        return None
+    lo, _, hi = text.partition(",")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--output-tokens must be LO,HI (token counts), got {text!r}") from None
 
 
 def _levels(text: str, kind: type[float] | type[int]) -> list[Any]:
@@ -1017,6 +1070,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         else:
             settings = SearchSettings(
                 slo_ttft_ms=args.slo_ttft_ms,
+                slo_tpot_ms=args.slo_tpot_ms,
                 rate_start=args.rate_start,
                 rate_max=args.rate_max,
                 bisect_steps=args.bisect_steps,
@@ -1036,7 +1090,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
             out["search"] = result
             print(
-                f"max rate with TTFT p99 <= {args.slo_ttft_ms:g} ms: "
+                f"max rate with TTFT p99 <= {args.slo_ttft_ms:g} ms"
+                + (f" and TPOT p99 <= {args.slo_tpot_ms:g} ms: " if args.slo_tpot_ms else ": ")
+                + 
                 f"{result['max_rate_rps'] if result['max_rate_rps'] is not None else 'none'} req/s"
                 f" (first failing: {result['first_failing_rps']})"
             )
@@ -1066,6 +1122,12 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--mean-input-tokens", type=int, default=217)
     common.add_argument("--spread", type=int, default=96, help="prompt lengths are mean +- spread")
     common.add_argument("--max-tokens", type=int, default=48)
+    common.add_argument(
+        "--output-tokens",
+        default="",
+        help="LO,HI: each request's output length uniform in [LO, HI] (the field workload: 30,64); "
+        "default: every request --max-tokens",
+    )
     common.add_argument(
         "--json-via",
         choices=["schema", "regex", "response_format"],
@@ -1107,6 +1169,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", default="1,8,32")
     q = sub.add_parser("search", parents=[common], help="max Poisson rate with TTFT p99 within the SLO")
     q.add_argument("--slo-ttft-ms", type=float, default=300.0)
+    q.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT p99 limit (goodput); 0: TTFT alone")
     q.add_argument("--rate-start", type=float, default=4.0)
     q.add_argument("--rate-max", type=float, default=256.0)
     q.add_argument("--bisect-steps", type=int, default=2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random-weight Qwen2-shaped model with a byte-level BPE tokenizer, for benchmarks and tests.
 
-    python3 bench/mkmodel.py OUTDIR SHAPE [OUTDIR SHAPE ...]   # SHAPE: tiny | 0.5b | 1.5b | 7b
+    python3 bench/mkmodel.py OUTDIR SHAPE [OUTDIR SHAPE ...]   # SHAPE: tiny | 0.5b | 1.5b | 3b | 7b
 
 The shapes are those of ../shared/gpu/mk.py (no weights can be downloaded here: the arithmetic
 and memory traffic are the real model's, the text is noise). The tokenizer differs on purpose:
@@ -35,6 +35,9 @@ SHAPES: dict[str, dict[str, int]] = {
     ),
     "1.5b": dict(
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
+    "3b": dict(
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2
     ),
     "7b": dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4

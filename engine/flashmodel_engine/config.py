@@ -45,7 +45,10 @@ class EngineSettings(_Strict):
         default=None, ge=1, description="Prefill cap per step; >= maxModelLen unless chunked prefill."
     )
     dtype: Dtype | None = Field(default=None, description="Weights/activations dtype; t4: never bfloat16.")
-    enforce_eager: bool = Field(default=True, description="Skip CUDA graphs (saves memory and start-up time).")
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Skip CUDA graphs; None: the profile's default (t4: graphs on, cpu: eager).",
+    )
     attention_backend: AttentionBackend = Field(
         default="triton", description="triton: vLLM's Triton kernel; tile: flashmodel_kernels'; auto: vLLM."
     )

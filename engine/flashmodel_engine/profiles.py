@@ -20,6 +20,12 @@ ENFORCED_FLAGS: dict[str, str] = {
     "--max-model-len": "engine.maxModelLen",
     "--max-num-batched-tokens": "engine.maxNumBatchedTokens",
     "--enforce-eager": "engine.enforceEager",
+    # The graph pool the memory plan counts is the one for batches up to maxNumSeqs.
+    "--max-cudagraph-capture-size": "engine.maxNumSeqs",
+    "--cudagraph-capture-sizes": "engine.maxNumSeqs",
+    "--compilation-config": "engine.enforceEager",
+    # Either would replace the gpuMemoryUtilization budget the memory plan is made for.
+    "--kv-cache-memory-bytes": "engine.gpuMemoryUtilization",
     "--attention-backend": "engine.attentionBackend",
     "--model": "model.path",
     "--served-model-name": "model.servedName",
@@ -59,11 +65,12 @@ class AcceleratorProfile:
     card_memory_bytes: int | None
     min_compute_capability: tuple[int, int] | None
     attention_backends: tuple[str, ...]
+    default_enforce_eager: bool
 
 
 PROFILES: dict[str, AcceleratorProfile] = {
     # T4: sm_75, 16 GB (about 15 GiB usable), no bf16; vLLM's Triton attention reads 16-token blocks,
-    # 512 sequences run out of memory, CUDA graphs waste memory the KV cache needs.
+    # 512 sequences run out of memory.
     "t4": AcceleratorProfile(
         name="t4", gpu=True, default_block_size=16, block_size_multiple=16, fixed_block_size=True,
         default_dtype="float16", allowed_dtypes=("float16", "float32", "auto"),
@@ -71,6 +78,10 @@ PROFILES: dict[str, AcceleratorProfile] = {
         max_num_seqs=256, max_model_len=4096, head_size_multiple=16, min_head_size=16,
         card_memory_bytes=15 * 1024**3, min_compute_capability=(7, 5),
         attention_backends=("triton", "tile", "auto"),
+        # CUDA graphs on: eager decode was 17-19x slower per token at one request and carried 5-7x
+        # fewer requests at 8-32 (H200, vLLM 0.26, 1.5B); the graph pool is counted by vLLM's own
+        # memory profiler inside gpuMemoryUtilization (docs/benchmarks.md, "The t4 profile").
+        default_enforce_eager=False,
     ),
     # vLLM's CPU attention accepts only block sizes that are multiples of 32 and head sizes >= 32.
     "cpu": AcceleratorProfile(
@@ -80,6 +91,9 @@ PROFILES: dict[str, AcceleratorProfile] = {
         max_num_seqs=256, max_model_len=4096, head_size_multiple=1, min_head_size=32,
         card_memory_bytes=None, min_compute_capability=None,
         attention_backends=("triton", "auto"),
+        # No CUDA graphs on a CPU; without eager mode vLLM's CPU backend compiles the model with
+        # torch.compile at every start, which a tiny test model does not repay.
+        default_enforce_eager=True,
     ),
 }
 
@@ -205,7 +219,8 @@ def resolve(config: EngineConfig) -> ResolvedEngine:
     return ResolvedEngine(
         profile=profile, block_size=block_size, dtype=dtype, gpu_memory_utilization=gmu,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=mnbt,
-        enforce_eager=e.enforce_eager, attention_backend=e.attention_backend,
+        enforce_eager=profile.default_enforce_eager if e.enforce_eager is None else e.enforce_eager,
+        attention_backend=e.attention_backend,
     )
 
 
@@ -232,6 +247,10 @@ def vllm_args(config: EngineConfig) -> list[str]:
         args += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
     if r.enforce_eager:
         args.append("--enforce-eager")
+    elif r.profile.gpu:
+        # vLLM captures graphs up to min(2 x maxNumSeqs, 512) by default; a decode batch never
+        # exceeds maxNumSeqs, so larger graphs only cost pool memory and start-up time.
+        args += ["--max-cudagraph-capture-size", str(r.max_num_seqs)]
     if r.profile.gpu:
         backend = _GPU_ATTENTION[r.attention_backend]
         if backend is not None:

@@ -61,7 +61,8 @@ class EngineSpec(_Spec):
     max_model_len: int = 4096
     max_num_batched_tokens: int = 4096
     dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = None
-    enforce_eager: bool = True
+    # No default here: the accelerator profile decides (graphs on t4, eager on cpu).
+    enforce_eager: bool | None = None
     attention_backend: Literal["triton", "tile", "auto"] = "triton"
     extra_args: list[str] = Field(default_factory=list)
 

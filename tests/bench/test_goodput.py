@@ -1,0 +1,117 @@
+"""The goodput benchmark's pure parts: the SLO, the field workload's lengths, the envelope, the cross-check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import goodput_gpu, loadgen
+
+
+def _summary(**kw: Any) -> dict[str, Any]:
+    return {"errors": 0, "ok": 10, "ttft_p99_ms": 100.0, "tpot_p99_ms": 20.0} | kw
+
+
+def test_goodput_needs_ttft_and_tpot_within_their_limits() -> None:
+    assert loadgen.meets_slo(_summary(), 300, 50)
+    assert not loadgen.meets_slo(_summary(tpot_p99_ms=50.5), 300, 50)  # a stalling stream fails
+    assert not loadgen.meets_slo(_summary(ttft_p99_ms=301.0), 300, 50)
+    assert not loadgen.meets_slo(_summary(tpot_p99_ms=None), 300, 50)  # no TPOT measured: no pass
+    assert not loadgen.meets_slo(_summary(errors=1), 300, 50)
+    assert loadgen.meets_slo(_summary(tpot_p99_ms=500.0), 300)  # TTFT alone: the older SLO
+
+
+class WordTokenizer:
+    """One word, one token: enough for the workload's length arithmetic."""
+
+    async def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+    async def decode(self, ids: Any) -> str:
+        return " ".join("a" * max(1, i) for i in ids)
+
+
+def test_the_field_workload_spreads_output_lengths_and_sends_each_request_its_own() -> None:
+    work = loadgen.run_async(goodput_gpu.field_workload(WordTokenizer(), 400, seed=3))  # type: ignore[arg-type]
+    outs = [p.max_tokens for p in work.prompts]
+    assert all(o is not None and 30 <= o <= 64 for o in outs)
+    assert min(outs) == 30 and max(outs) == 64  # type: ignore[type-var]
+    assert work.output_range() == (30, 64)
+    ins = [p.tokens for p in work.prompts]
+    assert 138 <= min(ins) and max(ins) <= 296
+    path, body = loadgen.request_body(loadgen.Target("http://x", "m"), work, work.prompts[0], None)
+    assert body["max_tokens"] == outs[0] and body["ignore_eos"] is True and path == "/v1/completions"
+    # The same seed gives the same workload: the rounds of the cross-check compare like with like.
+    again = loadgen.run_async(goodput_gpu.field_workload(WordTokenizer(), 400, seed=3))  # type: ignore[arg-type]
+    assert [p.max_tokens for p in again.prompts] == outs
+
+
+def test_the_spread_matches_vllm_bench_serve_random_range() -> None:
+    # vllm/benchmarks/datasets/utils.py: floor(len * (1 - r)), ceil(len * (1 + r))
+    assert goodput_gpu.spread(217, 0.36) == (138, 296)
+    assert goodput_gpu.spread(47, 0.36) == (30, 64)
+
+
+def test_the_benchmark_runs_the_flags_the_launcher_renders() -> None:
+    cases = {c.name: c for c in goodput_gpu.plan(smoke=False)}
+    t4 = cases["t4-1.5b"].args
+    assert "--enforce-eager" not in t4 and t4[t4.index("--max-cudagraph-capture-size") + 1] == "256"
+    assert "--enforce-eager" in cases["eager-1.5b"].args
+    assert cases["defaults-1.5b"].args == []
+    assert not {"--model", "--port", "--host", "--gpu-memory-utilization"} & set(t4)
+    assert cases["t4-mnbt1024-1.5b"].args[cases["t4-mnbt1024-1.5b"].args.index("--max-num-batched-tokens") + 1] == "1024"
+
+
+def test_the_envelope_gives_every_case_the_kv_cache_a_t4_would_have(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    with (tmp_path / "model.safetensors").open("wb") as f:
+        f.truncate(3 * 1024**3)
+    args, plan = goodput_gpu.envelope_args(tmp_path)
+    kv = int(args[args.index("--kv-cache-memory-bytes") + 1])
+    assert kv == int(0.85 * 15 * 1024**3) - 3 * 1024**3 - 1024**3
+    assert plan["weights_bytes"] + plan["kv_cache_bytes"] + plan["headroom_bytes"] == plan["envelope_bytes"]
+    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN"  # sm_75 has no FlashAttention
+    with (tmp_path / "model.safetensors").open("wb") as f:
+        f.truncate(14 * 1024**3)  # a 7B model in fp16
+    with pytest.raises(ValueError, match="leave no KV cache"):
+        goodput_gpu.envelope_args(tmp_path)
+
+
+def test_the_cross_check_compares_medians_over_rounds() -> None:
+    runs = [
+        {"concurrency": 8, "tool": "loadgen", "ttft_p50_ms": v, "tpot_p50_ms": 3.0} for v in (40.0, 44.0, 90.0)
+    ] + [{"concurrency": 8, "tool": "vllm-bench", "ttft_p50_ms": v, "tpot_p50_ms": 3.5} for v in (41.0, 42.0, 43.0)]
+    by = {v["metric"]: v for v in goodput_gpu.cross_verdict(runs)}
+    assert by["ttft_p50_ms"]["loadgen"] == 44.0 and by["ttft_p50_ms"]["agree"]  # one outlier round does not decide
+    assert by["tpot_p50_ms"]["ratio"] == pytest.approx(3.0 / 3.5, abs=1e-3) and not by["tpot_p50_ms"]["agree"]
+
+
+def test_ratios_pair_each_t4_case_with_its_baselines() -> None:
+    def r(profile: str, shape: str, rps: float, failing: float, tpot: float) -> dict[str, Any]:
+        return {"profile": profile, "shape": shape, "goodput_rps": rps, "first_failing_rps": failing,
+                "tpot_p50_c1_ms": tpot}
+
+    rows = {
+        "t4-1.5b": r("t4", "1.5b", 128, 192, 2.0),
+        "defaults-1.5b": r("defaults", "1.5b", 96, 128, 2.1),
+        "eager-1.5b": r("eager", "1.5b", 16, 32, 30.0),
+        "t4-mnbt1024-1.5b": r("t4-mnbt1024", "1.5b", 112, 128, 2.0),
+    }
+    got = {(e["case"], e["baseline"]): e for e in goodput_gpu.ratios(rows)}
+    assert set(got) == {("t4-1.5b", "defaults-1.5b"), ("t4-1.5b", "eager-1.5b"), ("t4-mnbt1024-1.5b", "t4-1.5b")}
+    d = got[("t4-1.5b", "defaults-1.5b")]
+    assert d["ratio"] == pytest.approx(128 / 96, abs=1e-3)
+    assert d["ratio_low"] == 1.0 and d["ratio_high"] == 2.0  # 128/128 and 192/96: the brackets
+    assert got[("t4-1.5b", "eager-1.5b")]["ratio"] == 8.0
+
+
+def test_ttft_only_maximum_counts_only_counted_trials() -> None:
+    search = {"trials": [
+        {"rate_rps": 64, "counted": True, "summary": _summary(tpot_p99_ms=80.0)},
+        {"rate_rps": 128, "counted": False, "summary": _summary()},
+        {"rate_rps": 128, "counted": True, "summary": _summary(ttft_p99_ms=900.0)},
+    ]}
+    assert goodput_gpu.ttft_only_max(search) == 64
