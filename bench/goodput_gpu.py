@@ -26,13 +26,12 @@ on the same length distributions, and the benchmark prints whether they agree wi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import json
 import os
+import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -140,15 +139,36 @@ def envelope_args(model: Path) -> tuple[list[str], dict[str, int]]:
     kv = T4_ENVELOPE_BYTES - weights - ENVELOPE_HEADROOM_BYTES
     if kv <= 0:
         raise ValueError(f"{model.name}: {weights / GIB:.2f} GiB of weights leave no KV cache in a T4 envelope")
-    plan_ = {"envelope_bytes": T4_ENVELOPE_BYTES, "weights_bytes": weights, "kv_cache_bytes": kv,
-             "headroom_bytes": ENVELOPE_HEADROOM_BYTES}
-    return ["--kv-cache-memory-bytes", str(kv), "--gpu-memory-utilization", ENVELOPE_GPU_UTIL,
-            "--attention-backend", "TRITON_ATTN"], plan_
+    plan_ = {
+        "envelope_bytes": T4_ENVELOPE_BYTES,
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv,
+        "headroom_bytes": ENVELOPE_HEADROOM_BYTES,
+    }
+    return [
+        "--kv-cache-memory-bytes",
+        str(kv),
+        "--gpu-memory-utilization",
+        ENVELOPE_GPU_UTIL,
+        "--attention-backend",
+        "TRITON_ATTN",
+    ], plan_
 
 
 def server_argv(case: GCase, model: Path, port: int, env: slo_gpu.Env) -> tuple[list[str], dict[str, Any]]:
-    argv = [env.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [
+        env.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     if env.smoke:
         return argv + case.args, {}
     cap, memory = envelope_args(model)
@@ -208,8 +228,11 @@ async def field_workload(tok: loadgen.ServerTokenizer, count: int, seed: int) ->
 
 def ttft_only_max(search: dict[str, Any]) -> float | None:
     """The highest counted trial rate that met TTFT p99 alone (a lower bound: the search follows goodput)."""
-    rates = [t["rate_rps"] for t in search.get("trials", []) if t.get("counted")
-             and loadgen.meets_slo(t["summary"], SLO_TTFT_MS)]
+    rates = [
+        t["rate_rps"]
+        for t in search.get("trials", [])
+        if t.get("counted") and loadgen.meets_slo(t["summary"], SLO_TTFT_MS)
+    ]
     return max(rates, default=None)
 
 
@@ -223,8 +246,13 @@ async def measure(url: str, case: GCase, env: slo_gpu.Env, search_s: float, out:
         for phase in ("first10", "next10"):
             res, wall = await loadgen.run_closed_loop(session, target, work, 1, seq)
             out[phase] = {"summary": loadgen.summarize(res, wall), "ttft_ms": [loadgen._ms(r.ttft_s) for r in res]}
-            log("sequential", case=case.name, phase=phase, ttft_ms=out[phase]["ttft_ms"],
-                tpot_p50_ms=out[phase]["summary"]["tpot_p50_ms"])
+            log(
+                "sequential",
+                case=case.name,
+                phase=phase,
+                ttft_ms=out[phase]["ttft_ms"],
+                tpot_p50_ms=out[phase]["summary"]["tpot_p50_ms"],
+            )
         for c in (8, 32):
             res, wall = await loadgen.run_closed_loop(
                 session, target, work, c, loadgen.RunLimits(num_requests=16 * c, request_timeout_s=120)
@@ -242,12 +270,38 @@ async def measure(url: str, case: GCase, env: slo_gpu.Env, search_s: float, out:
 
 
 def bench_serve_args(url: str, model: Path, c: int, seed: int) -> list[str]:
-    return ["--backend", "vllm", "--base-url", url, "--model", "m", "--tokenizer", str(model),
-            "--dataset-name", "random", "--random-input-len", str(INPUT_MEAN),
-            "--random-output-len", str(OUTPUT_MEAN), "--random-range-ratio", str(INPUT_RATIO),
-            "--num-prompts", str(16 * c), "--max-concurrency", str(c), "--request-rate", "inf",
-            "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
-            "--metric-percentiles", "50,99", "--disable-tqdm"]
+    return [
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--model",
+        "m",
+        "--tokenizer",
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(INPUT_MEAN),
+        "--random-output-len",
+        str(OUTPUT_MEAN),
+        "--random-range-ratio",
+        str(INPUT_RATIO),
+        "--num-prompts",
+        str(16 * c),
+        "--max-concurrency",
+        str(c),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+    ]
 
 
 def vllm_bench_once(url: str, model: Path, c: int, seed: int) -> dict[str, Any]:
@@ -255,15 +309,20 @@ def vllm_bench_once(url: str, model: Path, c: int, seed: int) -> dict[str, Any]:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser()
+    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]
     add_cli_args(parser)
     args = parser.parse_args(bench_serve_args(url, model, c, seed))
     with contextlib.redirect_stdout(sys.stderr):
         r = main(args)
-    return {"ttft_p50_ms": r.get("median_ttft_ms"), "tpot_p50_ms": r.get("median_tpot_ms"),
-            "ttft_p99_ms": r.get("p99_ttft_ms"), "tpot_p99_ms": r.get("p99_tpot_ms"),
-            "completed": r.get("completed"), "failed": r.get("failed"),
-            "mean_output_tokens": (r.get("total_output_tokens") or 0) / max(1, r.get("completed") or 1)}
+    return {
+        "ttft_p50_ms": r.get("median_ttft_ms"),
+        "tpot_p50_ms": r.get("median_tpot_ms"),
+        "ttft_p99_ms": r.get("p99_ttft_ms"),
+        "tpot_p99_ms": r.get("p99_tpot_ms"),
+        "completed": r.get("completed"),
+        "failed": r.get("failed"),
+        "mean_output_tokens": (r.get("total_output_tokens") or 0) / max(1, r.get("completed") or 1),
+    }
 
 
 async def loadgen_once(url: str, c: int, seed: int) -> dict[str, Any]:
@@ -274,8 +333,10 @@ async def loadgen_once(url: str, c: int, seed: int) -> dict[str, Any]:
             session, target, work, c, loadgen.RunLimits(num_requests=16 * c, request_timeout_s=120)
         )
         s = loadgen.summarize(res, wall)
-    return {k: s[k] for k in ("ttft_p50_ms", "tpot_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "ok", "errors",
-                              "mean_output_tokens")}
+    return {
+        k: s[k]
+        for k in ("ttft_p50_ms", "tpot_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "ok", "errors", "mean_output_tokens")
+    }
 
 
 def cross_check(url: str, model: Path, rounds: int) -> dict[str, Any]:
@@ -285,11 +346,20 @@ def cross_check(url: str, model: Path, rounds: int) -> dict[str, Any]:
         for c in CROSS_CONCURRENCY:
             for tool in ("loadgen", "vllm-bench") if r % 2 == 0 else ("vllm-bench", "loadgen"):
                 seed = 100 + r
-                got = loadgen.run_async(loadgen_once(url, c, seed)) if tool == "loadgen" else (
-                    vllm_bench_once(url, model, c, seed))
+                got = (
+                    loadgen.run_async(loadgen_once(url, c, seed))
+                    if tool == "loadgen"
+                    else (vllm_bench_once(url, model, c, seed))
+                )
                 runs.append({"round": r, "concurrency": c, "tool": tool} | got)
-                log("cross_check", round=r, c=c, tool=tool, ttft_p50_ms=got["ttft_p50_ms"],
-                    tpot_p50_ms=got["tpot_p50_ms"])
+                log(
+                    "cross_check",
+                    round=r,
+                    c=c,
+                    tool=tool,
+                    ttft_p50_ms=got["ttft_p50_ms"],
+                    tpot_p50_ms=got["tpot_p50_ms"],
+                )
     return {"runs": runs, "verdict": cross_verdict(runs)}
 
 
@@ -304,8 +374,16 @@ def cross_verdict(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 med[tool] = statistics.median(vals) if vals else None
             a, b = med["loadgen"], med["vllm-bench"]
             ratio = round(a / b, 3) if a and b else None
-            rows.append({"concurrency": c, "metric": metric, "loadgen": a, "vllm_bench": b, "ratio": ratio,
-                         "agree": ratio is not None and abs(ratio - 1) <= CROSS_TOLERANCE})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "metric": metric,
+                    "loadgen": a,
+                    "vllm_bench": b,
+                    "ratio": ratio,
+                    "agree": ratio is not None and abs(ratio - 1) <= CROSS_TOLERANCE,
+                }
+            )
     return rows
 
 
@@ -358,25 +436,46 @@ def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             base = rows.get(f"{other}-{shape}")
             if not base or not rw["goodput_rps"] or not base["goodput_rps"]:
                 continue
-            out.append({
-                "case": name, "baseline": f"{other}-{shape}",
-                "goodput": [rw["goodput_rps"], base["goodput_rps"]],
-                "ratio": round(rw["goodput_rps"] / base["goodput_rps"], 3),
-                # The search brackets each maximum: the ratio lies between these.
-                "ratio_low": round(rw["goodput_rps"] / base["first_failing_rps"], 3) if base["first_failing_rps"] else None,
-                "ratio_high": round(rw["first_failing_rps"] / base["goodput_rps"], 3) if rw["first_failing_rps"] else None,
-                "tpot_c1_ratio": round(rw["tpot_p50_c1_ms"] / base["tpot_p50_c1_ms"], 3)
-                if rw["tpot_p50_c1_ms"] and base["tpot_p50_c1_ms"] else None,
-            })
+            out.append(
+                {
+                    "case": name,
+                    "baseline": f"{other}-{shape}",
+                    "goodput": [rw["goodput_rps"], base["goodput_rps"]],
+                    "ratio": round(rw["goodput_rps"] / base["goodput_rps"], 3),
+                    # The search brackets each maximum: the ratio lies between these.
+                    "ratio_low": round(rw["goodput_rps"] / base["first_failing_rps"], 3)
+                    if base["first_failing_rps"]
+                    else None,
+                    "ratio_high": round(rw["first_failing_rps"] / base["goodput_rps"], 3)
+                    if rw["first_failing_rps"]
+                    else None,
+                    "tpot_c1_ratio": round(rw["tpot_p50_c1_ms"] / base["tpot_p50_c1_ms"], 3)
+                    if rw["tpot_p50_c1_ms"] and base["tpot_p50_c1_ms"]
+                    else None,
+                }
+            )
     return out
 
 
-COLUMNS = [("case", "case"), ("goodput_rps", "goodput req/s"), ("first_failing_rps", "first failing"),
-           ("ttft_only_max_rps", "TTFT-only pass"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p99_ms", "TPOT p99"),
-           ("e2e_p50_ms", "e2e p50"), ("e2e_p99_ms", "e2e p99"), ("tpot_p50_c1_ms", "TPOT p50 c=1"),
-           ("tpot_p50_c8_ms", "c=8"), ("tpot_p50_c32_ms", "c=32"), ("rps_c8", "req/s c=8"),
-           ("rps_c32", "req/s c=32"), ("first_ttft_ms", "first TTFT"), ("startup_s", "start s"),
-           ("gpu_mib", "GPU MiB"), ("graph_gib", "graph GiB")]
+COLUMNS = [
+    ("case", "case"),
+    ("goodput_rps", "goodput req/s"),
+    ("first_failing_rps", "first failing"),
+    ("ttft_only_max_rps", "TTFT-only pass"),
+    ("ttft_p99_ms", "TTFT p99"),
+    ("tpot_p99_ms", "TPOT p99"),
+    ("e2e_p50_ms", "e2e p50"),
+    ("e2e_p99_ms", "e2e p99"),
+    ("tpot_p50_c1_ms", "TPOT p50 c=1"),
+    ("tpot_p50_c8_ms", "c=8"),
+    ("tpot_p50_c32_ms", "c=32"),
+    ("rps_c8", "req/s c=8"),
+    ("rps_c32", "req/s c=32"),
+    ("first_ttft_ms", "first TTFT"),
+    ("startup_s", "start s"),
+    ("gpu_mib", "GPU MiB"),
+    ("graph_gib", "graph GiB"),
+]
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -388,12 +487,16 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(f(rw[k]) for k, _ in COLUMNS) + " |" for rw in rows.values()]
     lines.append("")
     for e in results["ratios"]:
-        lines.append(f"goodput {e['case']} / {e['baseline']}: {e['goodput'][0]:g} / {e['goodput'][1]:g} = "
-                     f"{e['ratio']:g} (between {e['ratio_low']} and {e['ratio_high']}); "
-                     f"TPOT p50 c=1 ratio {e['tpot_c1_ratio']}")
+        lines.append(
+            f"goodput {e['case']} / {e['baseline']}: {e['goodput'][0]:g} / {e['goodput'][1]:g} = "
+            f"{e['ratio']:g} (between {e['ratio_low']} and {e['ratio_high']}); "
+            f"TPOT p50 c=1 ratio {e['tpot_c1_ratio']}"
+        )
     for v in _get(results, "cross_check", "verdict") or []:
-        lines.append(f"cross-check c={v['concurrency']} {v['metric']}: loadgen {v['loadgen']} vs vllm bench "
-                     f"{v['vllm_bench']} = {v['ratio']} ({'agree' if v['agree'] else 'DISAGREE'} within 10%)")
+        lines.append(
+            f"cross-check c={v['concurrency']} {v['metric']}: loadgen {v['loadgen']} vs vllm bench "
+            f"{v['vllm_bench']} = {v['ratio']} ({'agree' if v['agree'] else 'DISAGREE'} within 10%)"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -406,10 +509,10 @@ def save(results: dict[str, Any], env: slo_gpu.Env) -> None:
 
 
 LOG_FACTS = dict(slo_gpu.LOG_FACTS)
-LOG_FACTS["graph_pool_gib"] = slo_gpu.re.compile(r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB")
-LOG_FACTS["graph_capture_s"] = slo_gpu.re.compile(r"Graph capturing finished in ([\d.]+) secs")
-LOG_FACTS["compile_cache_hit"] = slo_gpu.re.compile(r"(Directly load (?:the compiled graph|AOT compilation))")
-LOG_FACTS["async_scheduling"] = slo_gpu.re.compile(r"Asynchronous scheduling is (\w+)")
+LOG_FACTS["graph_pool_gib"] = re.compile(r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB")
+LOG_FACTS["graph_capture_s"] = re.compile(r"Graph capturing finished in ([\d.]+) secs")
+LOG_FACTS["compile_cache_hit"] = re.compile(r"(Directly load (?:the compiled graph|AOT compilation))")
+LOG_FACTS["async_scheduling"] = re.compile(r"Asynchronous scheduling is (\w+)")
 
 
 def log_facts(text: str) -> dict[str, Any]:
@@ -440,11 +543,12 @@ def restart(name: str, argv: list[str], cenv: dict[str, str], env: slo_gpu.Env) 
     up = slo_gpu.wait_until(f"http://127.0.0.1:{port}/health", srv, min(300.0, env.left() - 30))
     out: dict[str, Any] = {"case": name, "startup_s": up}
     if up is not None:
+
         async def first() -> dict[str, Any]:
             async with loadgen.new_session(8) as session:
                 target = loadgen.Target(f"http://127.0.0.1:{port}", "m")
                 work = await field_workload(loadgen.ServerTokenizer(session, target), 10, seed=0)
-                res, wall = await loadgen.run_closed_loop(session, target, work, 1, loadgen.RunLimits(num_requests=10))
+                res, _ = await loadgen.run_closed_loop(session, target, work, 1, loadgen.RunLimits(num_requests=10))
                 return {"ttft_ms": [loadgen._ms(r.ttft_s) for r in res]}
 
         out |= loadgen.run_async(first())
@@ -488,8 +592,16 @@ def main() -> int:
     p.add_argument("--cross-rounds", type=int, default=CROSS_ROUNDS)
     p.add_argument("--startup-s", type=float, default=600.0, help="wait this long for the servers to come up")
     a = p.parse_args()
-    env = slo_gpu.Env(out=Path(a.out), work=Path(a.work), models=Path(a.models), python=a.python,
-                      smoke=a.smoke_cpu, trial_s=a.trial_s, rate_start=a.rate_start, rate_max=a.rate_max)
+    env = slo_gpu.Env(
+        out=Path(a.out),
+        work=Path(a.work),
+        models=Path(a.models),
+        python=a.python,
+        smoke=a.smoke_cpu,
+        trial_s=a.trial_s,
+        rate_start=a.rate_start,
+        rate_max=a.rate_max,
+    )
     env.deadline = time.monotonic() + a.budget_s
     for d in (env.out, env.work, env.models):
         d.mkdir(parents=True, exist_ok=True)
@@ -509,7 +621,10 @@ def main() -> int:
         "cpu_count": os.cpu_count(),
         "versions": slo_gpu.versions(env.python),
         "slo": {"ttft_p99_ms": SLO_TTFT_MS, "tpot_p99_ms": SLO_TPOT_MS},
-        "workload": {"input_tokens": spread(INPUT_MEAN, INPUT_RATIO), "output_tokens": spread(OUTPUT_MEAN, OUTPUT_RATIO)},
+        "workload": {
+            "input_tokens": spread(INPUT_MEAN, INPUT_RATIO),
+            "output_tokens": spread(OUTPUT_MEAN, OUTPUT_RATIO),
+        },
         "plan": [dataclasses.asdict(c) for c in cases],
         "cases": {},
         "skipped": [],
@@ -526,8 +641,12 @@ def main() -> int:
     for i, case in enumerate(cases):
         port = (18500 if env.smoke else 8000) + i
         argv, memory = server_argv(case, env.models / case.shape, port, env)
-        results["cases"][case.name] = {"shape": case.shape, "profile": case.profile, "argv": argv[3:],
-                                       "memory_plan": memory}
+        results["cases"][case.name] = {
+            "shape": case.shape,
+            "profile": case.profile,
+            "argv": argv[3:],
+            "memory_plan": memory,
+        }
         cenv = base_env | slo_gpu.fresh_caches(env.work, case.name)
         envs[case.name] = (argv, cenv)
         servers[case.name] = (slo_gpu.Server(argv, cenv, env.work / f"server-{case.name}.log"), port)

@@ -1092,8 +1092,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"max rate with TTFT p99 <= {args.slo_ttft_ms:g} ms"
                 + (f" and TPOT p99 <= {args.slo_tpot_ms:g} ms: " if args.slo_tpot_ms else ": ")
-                + 
-                f"{result['max_rate_rps'] if result['max_rate_rps'] is not None else 'none'} req/s"
+                + f"{result['max_rate_rps'] if result['max_rate_rps'] is not None else 'none'} req/s"
                 f" (first failing: {result['first_failing_rps']})"
             )
     return out

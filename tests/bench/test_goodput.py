@@ -41,7 +41,7 @@ def test_the_field_workload_spreads_output_lengths_and_sends_each_request_its_ow
     assert min(outs) == 30 and max(outs) == 64  # type: ignore[type-var]
     assert work.output_range() == (30, 64)
     ins = [p.tokens for p in work.prompts]
-    assert 138 <= min(ins) and max(ins) <= 296
+    assert min(ins) >= 138 and max(ins) <= 296
     path, body = loadgen.request_body(loadgen.Target("http://x", "m"), work, work.prompts[0], None)
     assert body["max_tokens"] == outs[0] and body["ignore_eos"] is True and path == "/v1/completions"
     # The same seed gives the same workload: the rounds of the cross-check compare like with like.
@@ -62,7 +62,9 @@ def test_the_benchmark_runs_the_flags_the_launcher_renders() -> None:
     assert "--enforce-eager" in cases["eager-1.5b"].args
     assert cases["defaults-1.5b"].args == []
     assert not {"--model", "--port", "--host", "--gpu-memory-utilization"} & set(t4)
-    assert cases["t4-mnbt1024-1.5b"].args[cases["t4-mnbt1024-1.5b"].args.index("--max-num-batched-tokens") + 1] == "1024"
+    assert (
+        cases["t4-mnbt1024-1.5b"].args[cases["t4-mnbt1024-1.5b"].args.index("--max-num-batched-tokens") + 1] == "1024"
+    )
 
 
 def test_the_envelope_gives_every_case_the_kv_cache_a_t4_would_have(tmp_path: Path) -> None:
@@ -81,9 +83,9 @@ def test_the_envelope_gives_every_case_the_kv_cache_a_t4_would_have(tmp_path: Pa
 
 
 def test_the_cross_check_compares_medians_over_rounds() -> None:
-    runs = [
-        {"concurrency": 8, "tool": "loadgen", "ttft_p50_ms": v, "tpot_p50_ms": 3.0} for v in (40.0, 44.0, 90.0)
-    ] + [{"concurrency": 8, "tool": "vllm-bench", "ttft_p50_ms": v, "tpot_p50_ms": 3.5} for v in (41.0, 42.0, 43.0)]
+    runs = [{"concurrency": 8, "tool": "loadgen", "ttft_p50_ms": v, "tpot_p50_ms": 3.0} for v in (40.0, 44.0, 90.0)] + [
+        {"concurrency": 8, "tool": "vllm-bench", "ttft_p50_ms": v, "tpot_p50_ms": 3.5} for v in (41.0, 42.0, 43.0)
+    ]
     by = {v["metric"]: v for v in goodput_gpu.cross_verdict(runs)}
     assert by["ttft_p50_ms"]["loadgen"] == 44.0 and by["ttft_p50_ms"]["agree"]  # one outlier round does not decide
     assert by["tpot_p50_ms"]["ratio"] == pytest.approx(3.0 / 3.5, abs=1e-3) and not by["tpot_p50_ms"]["agree"]
@@ -91,8 +93,13 @@ def test_the_cross_check_compares_medians_over_rounds() -> None:
 
 def test_ratios_pair_each_t4_case_with_its_baselines() -> None:
     def r(profile: str, shape: str, rps: float, failing: float, tpot: float) -> dict[str, Any]:
-        return {"profile": profile, "shape": shape, "goodput_rps": rps, "first_failing_rps": failing,
-                "tpot_p50_c1_ms": tpot}
+        return {
+            "profile": profile,
+            "shape": shape,
+            "goodput_rps": rps,
+            "first_failing_rps": failing,
+            "tpot_p50_c1_ms": tpot,
+        }
 
     rows = {
         "t4-1.5b": r("t4", "1.5b", 128, 192, 2.0),
@@ -109,9 +116,11 @@ def test_ratios_pair_each_t4_case_with_its_baselines() -> None:
 
 
 def test_ttft_only_maximum_counts_only_counted_trials() -> None:
-    search = {"trials": [
-        {"rate_rps": 64, "counted": True, "summary": _summary(tpot_p99_ms=80.0)},
-        {"rate_rps": 128, "counted": False, "summary": _summary()},
-        {"rate_rps": 128, "counted": True, "summary": _summary(ttft_p99_ms=900.0)},
-    ]}
+    search = {
+        "trials": [
+            {"rate_rps": 64, "counted": True, "summary": _summary(tpot_p99_ms=80.0)},
+            {"rate_rps": 128, "counted": False, "summary": _summary()},
+            {"rate_rps": 128, "counted": True, "summary": _summary(ttft_p99_ms=900.0)},
+        ]
+    }
     assert goodput_gpu.ttft_only_max(search) == 64
