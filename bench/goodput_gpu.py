@@ -117,15 +117,15 @@ def plan(smoke: bool) -> list[GCase]:
     small_chunks = profile_args("t4", maxNumBatchedTokens=1024, extraArgs=["--enable-chunked-prefill"])
     # Priority order: the budget may end the list early.
     return [
-        GCase("t4-1.5b", "1.5b", "t4", t4, 32.0, cross_check=True),
-        GCase("defaults-1.5b", "1.5b", "defaults", [], 32.0),
+        GCase("t4-1.5b", "1.5b", "t4", t4, 64.0, cross_check=True),
+        GCase("defaults-1.5b", "1.5b", "defaults", [], 64.0),
         GCase("eager-1.5b", "1.5b", "eager", eager, 8.0),
-        GCase("t4-3b", "3b", "t4", t4, 32.0),
-        GCase("defaults-3b", "3b", "defaults", [], 32.0),
+        GCase("t4-3b", "3b", "t4", t4, 64.0),
+        GCase("defaults-3b", "3b", "defaults", [], 64.0),
+        GCase("t4-0.5b", "0.5b", "t4", t4, 64.0),
+        GCase("defaults-0.5b", "0.5b", "defaults", [], 64.0),
         GCase("eager-3b", "3b", "eager", eager, 8.0),
-        GCase("t4-0.5b", "0.5b", "t4", t4, 32.0),
-        GCase("defaults-0.5b", "0.5b", "defaults", [], 32.0),
-        GCase("t4-mnbt1024-1.5b", "1.5b", "t4-mnbt1024", small_chunks, 32.0),
+        GCase("t4-mnbt1024-1.5b", "1.5b", "t4-mnbt1024", small_chunks, 64.0),
     ]
 
 
@@ -304,6 +304,11 @@ def bench_serve_args(url: str, model: Path, c: int, seed: int) -> list[str]:
     ]
 
 
+def _number(value: Any) -> float | None:
+    """vLLM's benchmark returns numpy scalars; plain floats keep the results JSON-serialisable."""
+    return None if value is None else float(value)
+
+
 def vllm_bench_once(url: str, model: Path, c: int, seed: int) -> dict[str, Any]:
     """One `vllm bench serve` run in this process (vLLM's own load generator, imported once)."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -314,21 +319,23 @@ def vllm_bench_once(url: str, model: Path, c: int, seed: int) -> dict[str, Any]:
     args = parser.parse_args(bench_serve_args(url, model, c, seed))
     with contextlib.redirect_stdout(sys.stderr):
         r = main(args)
+    completed = _number(r.get("completed")) or 0.0
     return {
-        "ttft_p50_ms": r.get("median_ttft_ms"),
-        "tpot_p50_ms": r.get("median_tpot_ms"),
-        "ttft_p99_ms": r.get("p99_ttft_ms"),
-        "tpot_p99_ms": r.get("p99_tpot_ms"),
-        "completed": r.get("completed"),
-        "failed": r.get("failed"),
-        "mean_output_tokens": (r.get("total_output_tokens") or 0) / max(1, r.get("completed") or 1),
+        "ttft_p50_ms": _number(r.get("median_ttft_ms")),
+        "tpot_p50_ms": _number(r.get("median_tpot_ms")),
+        "ttft_p99_ms": _number(r.get("p99_ttft_ms")),
+        "tpot_p99_ms": _number(r.get("p99_tpot_ms")),
+        "completed": completed,
+        "failed": _number(r.get("failed")),
+        "mean_output_tokens": (_number(r.get("total_output_tokens")) or 0.0) / max(1.0, completed),
     }
 
 
-async def loadgen_once(url: str, c: int, seed: int) -> dict[str, Any]:
+async def loadgen_once(url: str, c: int, seed: int, token_ids: bool = True) -> dict[str, Any]:
     async with loadgen.new_session(256) as session:
         target = loadgen.Target(url, "m")
         work = await field_workload(loadgen.ServerTokenizer(session, target), 16 * c, seed=seed)
+        work.token_ids = token_ids
         res, wall = await loadgen.run_closed_loop(
             session, target, work, c, loadgen.RunLimits(num_requests=16 * c, request_timeout_s=120)
         )
@@ -339,18 +346,22 @@ async def loadgen_once(url: str, c: int, seed: int) -> dict[str, Any]:
     }
 
 
+# "loadgen-noids" leaves out return_token_ids, to show what the token ids cost the server.
+CROSS_TOOLS = ("loadgen", "vllm-bench", "loadgen-noids")
+
+
 def cross_check(url: str, model: Path, rounds: int) -> dict[str, Any]:
     """Interleaved rounds of loadgen and vllm bench serve on one server; medians compared."""
     runs: list[dict[str, Any]] = []
     for r in range(rounds):
         for c in CROSS_CONCURRENCY:
-            for tool in ("loadgen", "vllm-bench") if r % 2 == 0 else ("vllm-bench", "loadgen"):
+            # Alternate the order each round: neither tool always runs on the server the other warmed.
+            for tool in CROSS_TOOLS if r % 2 == 0 else CROSS_TOOLS[::-1]:
                 seed = 100 + r
-                got = (
-                    loadgen.run_async(loadgen_once(url, c, seed))
-                    if tool == "loadgen"
-                    else (vllm_bench_once(url, model, c, seed))
-                )
+                if tool == "vllm-bench":
+                    got = vllm_bench_once(url, model, c, seed)
+                else:
+                    got = loadgen.run_async(loadgen_once(url, c, seed, token_ids=tool == "loadgen"))
                 runs.append({"round": r, "concurrency": c, "tool": tool} | got)
                 log(
                     "cross_check",
@@ -369,7 +380,7 @@ def cross_verdict(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for c in sorted({r["concurrency"] for r in runs}):
         for metric in ("ttft_p50_ms", "tpot_p50_ms"):
             med = {}
-            for tool in ("loadgen", "vllm-bench"):
+            for tool in CROSS_TOOLS:
                 vals = [r[metric] for r in runs if r["concurrency"] == c and r["tool"] == tool and r[metric]]
                 med[tool] = statistics.median(vals) if vals else None
             a, b = med["loadgen"], med["vllm-bench"]
@@ -380,6 +391,7 @@ def cross_verdict(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "metric": metric,
                     "loadgen": a,
                     "vllm_bench": b,
+                    "loadgen_noids": med["loadgen-noids"],
                     "ratio": ratio,
                     "agree": ratio is not None and abs(ratio - 1) <= CROSS_TOLERANCE,
                 }
@@ -495,15 +507,21 @@ def markdown(results: dict[str, Any]) -> str:
     for v in _get(results, "cross_check", "verdict") or []:
         lines.append(
             f"cross-check c={v['concurrency']} {v['metric']}: loadgen {v['loadgen']} vs vllm bench "
-            f"{v['vllm_bench']} = {v['ratio']} ({'agree' if v['agree'] else 'DISAGREE'} within 10%)"
+            f"{v['vllm_bench']} = {v['ratio']} ({'agree' if v['agree'] else 'DISAGREE'} within 10%); "
+            f"loadgen without token ids {v['loadgen_noids']}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    """A value json cannot write (a numpy scalar from vLLM's benchmark) as a number or as text."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 def save(results: dict[str, Any], env: slo_gpu.Env) -> None:
     results["rows"] = {n: row(n, r) for n, r in results["cases"].items()}
     results["ratios"] = ratios(results["rows"])
-    (env.out / "goodput_results.json").write_text(json.dumps(results, indent=1))
+    (env.out / "goodput_results.json").write_text(json.dumps(results, indent=1, default=_plain))
     (env.out / "goodput_table.md").write_text(markdown(results))
     slo_gpu.collect_logs(env)
 
@@ -665,7 +683,8 @@ def main() -> int:
                 log("server_failed", case=case.name, tail=server.tail(5).replace("\n", " | ")[-400:])
                 server.stop()
                 continue
-            r["startup_s"] = up_at.get(case.name)
+            # The watcher thread may not have seen it yet when this thread did.
+            r["startup_s"] = up_at.get(case.name) or round(time.monotonic() - t_start, 1)
             needed = search_s + 40 + (90 if case.cross_check else 0)
             if env.left() < needed:
                 results["skipped"].append({"case": case.name, "reason": f"budget: {env.left():.0f}s left"})
@@ -685,11 +704,11 @@ def main() -> int:
             r["case_seconds"] = round(time.monotonic() - t0, 1)
             server.stop()
             r["log_facts"] = log_facts(server.log_path.read_text(errors="replace"))
+            if case.cross_check and "error" not in r and env.left() > 400:
+                # Early in the run: the one start-up on warm caches the profile's cache volume promises.
+                results["restart"] = restart(case.name, *envs[case.name], env)
             save(results, env)
             log("case_done", **{k: v for k, v in row(case.name, r).items() if v is not None})
-        first = cases[0].name
-        if first in envs and "error" not in results["cases"][first] and env.left() > 150:
-            results["restart"] = restart(first, *envs[first], env)
     finally:
         for srv, _ in servers.values():
             srv.stop()

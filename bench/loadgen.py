@@ -162,13 +162,18 @@ class RequestResult:
     # The longest wait between two streamed chunks: a stall the reader sees, which TPOT (a mean)
     # hides; a server that falls behind also coalesces tokens into bursts, which shows here.
     max_gap_s: float | None = None
+    # When the last generated token arrived (from the send): the stream's usage chunk and [DONE]
+    # come after it and are no decode time.
+    last_token_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first, the decode speed a reader sees."""
+        """Mean time per output token after the first, the decode speed a reader sees: first to
+        last token over the tokens between (vLLM's own benchmark counts the same span)."""
         if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+        end = self.last_token_s if self.last_token_s is not None else self.e2e_s
+        return (end - self.ttft_s) / (self.output_tokens - 1)
 
 
 def _ms(v: float | None) -> float | None:
@@ -553,6 +558,7 @@ async def send_one(
                     else:
                         res.max_gap_s = max(res.max_gap_s or 0.0, now - last)
                     last = now
+                    res.last_token_s = now - start
                     chunks += n
                     text_parts.append(piece)
                 usage = chunk.get("usage")

@@ -124,3 +124,14 @@ def test_ttft_only_maximum_counts_only_counted_trials() -> None:
         ]
     }
     assert goodput_gpu.ttft_only_max(search) == 64
+
+
+def test_tpot_spans_first_to_last_token_not_the_stream_trailer() -> None:
+    """vLLM's benchmark ends a request's decode at its last token; the usage chunk and [DONE] that
+    follow are protocol, not decode time."""
+    r = loadgen.RequestResult(
+        index=0, prompt_tokens=10, scheduled_s=0.0, ok=True, ttft_s=0.1, e2e_s=0.6, output_tokens=11, last_token_s=0.5
+    )
+    assert r.tpot_s == pytest.approx(0.04)
+    r.last_token_s = None  # a result without it (older files) falls back to the end of the stream
+    assert r.tpot_s == pytest.approx(0.05)

@@ -231,7 +231,6 @@ def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace:
             "maxNumSeqs": 256,
             "maxModelLen": 4096,
             "maxNumBatchedTokens": 4096,
-            "enforceEager": True,
             "attentionBackend": "triton",
             "extraArgs": [],
         },

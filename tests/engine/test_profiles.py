@@ -31,8 +31,22 @@ def test_t4_defaults_enforce_the_field_report_settings() -> None:
     assert flag(args, "--max-num-batched-tokens") == "4096"
     assert flag(args, "--attention-backend") == "TRITON_ATTN"
     assert flag(args, "--shutdown-timeout") == "25"
-    assert "--enforce-eager" in args
+    # CUDA graphs on, captured for the batch sizes maxNumSeqs allows.
+    assert "--enforce-eager" not in args
+    assert flag(args, "--max-cudagraph-capture-size") == "256"
     assert "--api-key" not in args
+
+
+def test_t4_graph_capture_follows_max_num_seqs_and_eager_drops_it() -> None:
+    assert flag(vllm_args(make("t4", maxNumSeqs=64)), "--max-cudagraph-capture-size") == "64"
+    eager = vllm_args(make("t4", enforceEager=True))
+    assert "--enforce-eager" in eager and "--max-cudagraph-capture-size" not in eager
+
+
+def test_cpu_stays_eager_by_default() -> None:
+    # No CUDA graphs on a CPU; vLLM's CPU backend would torch.compile the model at every start.
+    args = vllm_args(make("cpu"))
+    assert "--enforce-eager" in args and "--max-cudagraph-capture-size" not in args
 
 
 def test_t4_tile_backend_and_extra_args_appended() -> None:

@@ -113,3 +113,14 @@ def test_two_sources_are_refused() -> None:
     bad = {**MINIMAL_T4, "spec": {"model": {"pvc": {"claimName": "m"}, "hub": {"id": "x"}}}}
     with pytest.raises(ValueError, match="exactly one of pvc, image, hub"):
         FlashModel.from_body(bad)
+
+
+def test_compile_caches_live_on_the_pods_empty_dir() -> None:
+    """A restarted container must find vLLM's torch.compile, Inductor's and Triton's caches: they
+    are on the `cache` emptyDir, which lives as long as the pod, not in the container's filesystem."""
+    pod = _by_kind(_children(MINIMAL_T4))["Deployment"]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    mount = next(m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "cache")
+    assert next(v for v in pod["volumes"] if v["name"] == "cache") == {"name": "cache", "emptyDir": {}}
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert str(env[name]).startswith(mount + "/"), name
