@@ -22,6 +22,16 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Room for the CUDA context, activations and allocator slack on top of weights + KV cache.
 RUNTIME_OVERHEAD_BYTES = GIB // 2
+# The CUDA-graph pool holds the activations of the largest captured batch: measured 0.28 GiB for
+# a 1.5B shape (hidden 1536 + intermediate 8960) captured up to 256 sequences (H200, vLLM 0.26;
+# docs/benchmarks.md, "The t4 profile"). Scaled by batch and width for other shapes.
+GRAPH_POOL_REFERENCE = (int(0.28 * GIB), 256, 1536 + 8960)
+
+
+def graph_pool_bytes(hidden: int, intermediate: int, max_capture: int) -> int:
+    """The plan's CUDA-graph pool for a model width and the largest captured batch."""
+    pool, batch, width = GRAPH_POOL_REFERENCE
+    return pool * max_capture * (hidden + intermediate) // (batch * width)
 CPU_RUNTIME_OVERHEAD_BYTES = 2 * GIB
 
 
@@ -44,6 +54,7 @@ class PreflightReport:
     safe_prompt_tokens: int | None = None
     weights_bytes: int | None = None
     kv_bytes_per_token: int | None = None
+    graph_pool_bytes: int | None = None
     max_full_length_sequences: int | None = None
     open_files_soft_limit: int | None = None
 
@@ -210,7 +221,10 @@ def _check_fit(cfg: dict[str, Any], r: ResolvedEngine, config: EngineConfig, wei
     if r.profile.gpu:
         card = device.total_memory_bytes if device else r.profile.card_memory_bytes or 0
         budget = int(card * (r.gpu_memory_utilization or 0.85))
-        free_for_kv = budget - weights - RUNTIME_OVERHEAD_BYTES
+        graphs = 0 if r.enforce_eager else graph_pool_bytes(
+            hidden, int(cfg.get("intermediate_size", 4 * hidden)), r.max_num_seqs)
+        report.graph_pool_bytes = graphs
+        free_for_kv = budget - weights - RUNTIME_OVERHEAD_BYTES - graphs
         where = f"{card / GIB:.1f} GiB card at gpuMemoryUtilization {r.gpu_memory_utilization}"
     else:
         budget = config.engine.cpu_kv_cache_space_gib * GIB
@@ -228,7 +242,8 @@ def _check_fit(cfg: dict[str, Any], r: ResolvedEngine, config: EngineConfig, wei
     if free_for_kv < seq_bytes:
         report.failures.append(
             f"the model does not fit the {where}: weights {weights / GIB:.2f} GiB + runtime "
-            f"leave {max(free_for_kv, 0) / GIB:.2f} GiB for the KV cache, one {r.max_model_len}-token "
+            + (f"+ CUDA graphs {report.graph_pool_bytes / GIB:.2f} GiB " if report.graph_pool_bytes else "")
+            + f"leave {max(free_for_kv, 0) / GIB:.2f} GiB for the KV cache, one {r.max_model_len}-token "
             f"sequence needs {seq_bytes / GIB:.2f} GiB; use a smaller model or lower maxModelLen"
         )
 
