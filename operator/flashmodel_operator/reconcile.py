@@ -22,6 +22,7 @@ from flashmodel_operator.render import (
     PREFLIGHT_EXIT_CODE,
     PREWARM_GATE,
     engine_config,
+    pod_template_problems,
     render_children,
     render_pod_template,
     selector_string,
@@ -118,6 +119,12 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         except ValueError as exc:
             # The schema caught what it could; this is what only the profile logic sees.
             problem = Problem("EngineConfigRefused", str(exc))
+    if fm is not None and args is not None:
+        pod_problems = pod_template_problems(fm)
+        if pod_problems:
+            # The render puts the enforced parts back anyway; refusing tells the user their patch is not what runs.
+            problem = Problem("PodTemplateRefused", "; ".join(pod_problems))
+            args = None
 
     if fm is None or args is None:
         assert problem is not None
@@ -152,17 +159,23 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     elif status.get("preflightRefusal"):
         new_status["preflightRefusal"] = None
 
-    if fm.spec.auth is not None and problem is None:
+    secret_missing = False
+    if fm.spec.auth is not None:
         ref = fm.spec.auth.api_key_secret_ref
         secret = cluster.get("v1", "Secret", ns, ref.name)
-        if secret is None or ref.key not in (secret.get("data") or {}):
+        secret_missing = secret is None or ref.key not in (secret.get("data") or {})
+        if secret_missing and problem is None:
             problem = Problem(
                 "AuthSecretNotFound",
                 f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
-                f"{ref.key!r} not found; create it, or remove spec.auth",
+                f"{ref.key!r} not found; create it, or remove spec.auth (no pod starts until then)",
             )
 
     children = render_children(fm, replicas=0 if held else None)
+    if secret_missing:
+        # A pod without its key would serve without authentication or crash-loop on the missing mount;
+        # the Secret's arrival triggers a pass at once (handlers.on_auth_secret).
+        children = [c for c in children if c["kind"] != "Deployment"]
     for child in children:
         try:
             result = cluster.apply(child)

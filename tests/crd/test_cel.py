@@ -57,6 +57,12 @@ def engine(**fields: Any) -> dict[str, Any]:
 REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
     # (id, spec, field path in the error, message)
     (
+        "t4-node-selector-other-gpu",
+        {"model": MODEL, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "pool": "a"}},
+        "spec.nodeSelector",
+        "nodeSelector nvidia.com/gpu.product must be Tesla-T4 on t4",
+    ),
+    (
         "t4-block-size-32",
         engine(blockSize=32),
         "spec.engine.blockSize",
