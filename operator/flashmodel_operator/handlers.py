@@ -95,6 +95,23 @@ def resync(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def auth_secret_refs(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str] | None:
+    """(namespace, Secret name) -> the FlashModels whose spec.auth names that Secret."""
+    secret = ((spec.get("auth") or {}).get("apiKeySecretRef") or {}).get("name")
+    return {(namespace, str(secret)): name} if namespace and secret else None
+
+
+@kopf.on.event("", "v1", "secrets")
+def on_auth_secret(namespace: str | None, name: str, **kwargs: Any) -> None:
+    # A model waiting for its key (no Deployment until it exists) goes on as soon as it is created,
+    # not at the next resync; a changed or deleted key is reconciled at once too.
+    refs: kopf.Index[tuple[str, str], str] = kwargs["auth_secret_refs"]
+    for model in sorted(set(refs.get((namespace or "", name), []))):
+        log.info("event=auth-secret-changed model=%s/%s secret=%s", namespace, model, name)
+        _reconcile_latest(namespace, model)
+
+
 def _owner_name(body: kopf.Body) -> str | None:
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("kind") == "FlashModel" and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
