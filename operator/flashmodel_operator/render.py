@@ -19,6 +19,9 @@ SHIM_PORT = 8081
 CONFIG_DIR = "/etc/flashmodel"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.yaml"
 AUTH_DIR = f"{CONFIG_DIR}/auth"
+CONTROL_DIR = f"{CONFIG_DIR}/control"
+CONTROL_TOKEN_KEY = "token"
+"""Key of the per-model Secret `<name>-shim` whose token the shim requires on POST /prewarm."""
 PREWARM_GATE = f"{GROUP}/prewarmed"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 APPLIED_HASH_ANNOTATION = f"{GROUP}/applied-hash"
@@ -87,7 +90,12 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         "prewarm": spec.prewarm.model_dump(by_alias=True),
         "health": spec.health.model_dump(by_alias=True),
         "remediation": spec.remediation.model_dump(by_alias=True),
-        "server": {"host": "0.0.0.0", "enginePort": ENGINE_PORT, "shimPort": SHIM_PORT},
+        "server": {
+            "host": "0.0.0.0",
+            "enginePort": ENGINE_PORT,
+            "shimPort": SHIM_PORT,
+            "controlTokenFile": f"{CONTROL_DIR}/{CONTROL_TOKEN_KEY}",
+        },
     }
     if spec.auth is not None:
         config["auth"] = {"apiKeyFile": f"{AUTH_DIR}/{spec.auth.api_key_secret_ref.key}"}
@@ -101,6 +109,21 @@ def engine_config_yaml(fm: FlashModel) -> str:
 def content_hash(obj: Any) -> str:
     """A stable hash of a JSON-able value: the same desired state always gives the same hash."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def control_secret_name(fm_name: str) -> str:
+    return f"{fm_name}-shim"
+
+
+def render_control_secret(fm: FlashModel, token: str) -> dict[str, Any]:
+    """The Secret with the token only the operator and the model's pods hold (made once, never re-rendered)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(fm, control_secret_name(fm.name)),
+        "type": "Opaque",
+        "stringData": {CONTROL_TOKEN_KEY: token},
+    }
 
 
 def render_configmap(fm: FlashModel) -> dict[str, Any]:
@@ -166,6 +189,7 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volume(fm)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": f"{fm.name}-engine"}},
+        {"name": "control", "secret": {"secretName": control_secret_name(fm.name), "defaultMode": 0o440}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": profile.shm_size}},
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
@@ -173,6 +197,7 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "control", "mountPath": CONTROL_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": "/cache"},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -514,6 +539,11 @@ _ENFORCED_CONTAINER_FIELDS = {
 }
 
 
+# The volumes whose content the engine reads (its config, the operator's token, the weights, the API key);
+# the scratch ones (cache, tmp, dshm) a patch may resize.
+_READ_VOLUMES = frozenset({"config", "control", "model", "auth"})
+
+
 def _list(obj: dict[str, Any], key: str) -> list[Any]:
     value = obj.get(key)
     return value if isinstance(value, list) else []
@@ -593,9 +623,8 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     engine["resources"] = resources
 
     volumes = _list(spec, "volumes")
-    mounted = {m["name"] for m in base_engine["volumeMounts"]}
     for volume in base_spec["volumes"]:
-        if volume["name"] not in mounted:
+        if volume["name"] not in _READ_VOLUMES:
             continue
         same = [v for v in volumes if isinstance(v, dict) and v.get("name") == volume["name"]]
         if same != [volume]:
