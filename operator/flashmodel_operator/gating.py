@@ -281,7 +281,7 @@ class PodWatch:
         )
         await self.write_pods_status()
         if self.attempts >= PREWARM_ATTEMPTS:
-            self.prewarm_failure = f"{self.attempts} prewarms failed, the last: {error}"
+            self.prewarm_failure = f"{self.attempts} failed prewarms: {error}"
             return await self.replace_unprewarmed(fm, spec)
         return float(PREWARM_BACKOFF_SECONDS * 2 ** (self.attempts - 1))
 
@@ -305,8 +305,8 @@ class PodWatch:
                 self.state.in_flight = decision.pod
         if decision is None or decision.action != "evict":
             return POLL_SECONDS  # held (the event says why); asked again on the next look
-        await self._api(self.cluster.event, fm, "Warning", "PrewarmFailed", f"replacing pod {self.name}: "
-                        + decision.message)
+        replaced = f"pod {self.name} replaced after {decision.message}"
+        await self._api(self.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
         await self.evict_and_record(fm, decision)
         return None
 
