@@ -8,8 +8,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e.cluster import ControlPlane
+from e2e.fault_proxy import FaultProxy
 from e2e.operator_run import (
     chart_service_account,
     helm_install,
@@ -47,16 +49,35 @@ def operator_metric(operator: Path, operator_metrics_port: int) -> OperatorMetri
 
 
 @pytest.fixture(scope="session")
+def fault_proxy(control_plane: ControlPlane) -> Iterator[FaultProxy]:
+    """The loopback proxy the operator reaches the API server through; faults only while a test sets its rate."""
+    pki = control_plane.dir / "pki"
+    proxy = FaultProxy(control_plane.server, pki / "apiserver.crt", pki / "apiserver.key", pki / "ca.crt").start()
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="session")
 def operator(
-    control_plane: ControlPlane, operator_metrics_port: int, tmp_path_factory: pytest.TempPathFactory
+    control_plane: ControlPlane,
+    operator_metrics_port: int,
+    fault_proxy: FaultProxy,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Path]:
-    """helm install, then `python -m flashmodel_operator` as the chart's ServiceAccount; yields its log path."""
+    """helm install, then `python -m flashmodel_operator` as the chart's ServiceAccount; yields its log path.
+
+    It talks to the API server through `fault_proxy`, which passes everything on unless a test asks
+    for faults.
+    """
     # Nodes without the kwok taint, tainted like GPU pools: only pods that tolerate
     # nvidia.com/gpu (the t4 profile adds it) land here.
     control_plane.add_t4_nodes(8, kwok_taint=False, gpu_taint=True)
     helm_install(control_plane)
     work = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(control_plane, work / "kubeconfig", chart_service_account(control_plane))
+    config = yaml.safe_load(kubeconfig.read_text())
+    config["clusters"][0]["cluster"]["server"] = fault_proxy.url
+    kubeconfig.write_text(yaml.safe_dump(config))
     log = work / "operator.log"
     # Short waits so the self-healing tests finish in minutes; production keeps the defaults.
     env = {

@@ -16,6 +16,7 @@ left alone by it, and this process plays the kubelet for it, the way a node agen
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import json
@@ -214,6 +215,10 @@ class EngineKubelet:
 
     # -- pod lifecycle ---------------------------------------------------------------------
 
+    def _secret_value(self, name: str, key: str) -> str:
+        raw = self.cp.kubectl("get", "secret", name, "-n", self.namespace, "-o", "json").stdout
+        return base64.b64decode(json.loads(raw)["data"][key]).decode()
+
     def _start(self, pod: dict[str, Any]) -> EnginePod:
         meta, spec = pod["metadata"], pod["spec"]
         name = meta["name"]
@@ -234,11 +239,15 @@ class EngineKubelet:
             secret = json.loads(
                 self.cp.kubectl("get", "secret", ref["secretName"], "-n", self.namespace, "-o", "json").stdout
             )
-            import base64
-
             key = ref["items"][0]["key"]
             (work / key).write_text(base64.b64decode(secret["data"][key]).decode())
             config["auth"]["apiKeyFile"] = str(work / key)
+        if config["server"].get("controlTokenFile"):
+            # Like the kubelet mounting the pod's Secret volume: the token the shim requires on POST /prewarm.
+            ref = next(v["secret"] for v in spec["volumes"] if v["name"] == "control")
+            token = self._secret_value(ref["secretName"], "token")
+            (work / "control-token").write_text(token)
+            config["server"]["controlTokenFile"] = str(work / "control-token")
         (work / "engine.yaml").write_text(yaml.safe_dump(config))
         env = {**os.environ, **self.env}
         for item in container.get("env") or []:

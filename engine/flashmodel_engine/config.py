@@ -121,6 +121,10 @@ class ServerSettings(_Strict):
         default=25, ge=0,
         description="On SIGTERM, wait this long for in-flight requests; keep below terminationGracePeriod.",
     )
+    control_token_file: str | None = Field(
+        default=None, min_length=1,
+        description="File with the token POST /prewarm requires (the operator's per-model Secret); None: none.",
+    )
 
 
 class EngineConfig(_Strict):

@@ -13,6 +13,7 @@ from typing import Any
 
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.profiles import ProfileError, ResolvedEngine, resolve
+from flashmodel_engine.vllm_flags import installed_options
 
 GIB = 1024**3
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -273,8 +274,10 @@ def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
     `device` overrides NVML detection (tests, or checking a config for a card that is elsewhere).
     """
     report = PreflightReport()
+    # The extra args are judged by the parser of the vLLM that will read them, where there is one.
+    options = installed_options()
     try:
-        r = resolve(config)
+        r = resolve(config, options, strict=options is not None)
     except ProfileError as e:
         report.failures.extend(e.problems)
         return report

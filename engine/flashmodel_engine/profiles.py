@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.vllm_flags import Options, dest_of
+from flashmodel_engine.vllm_flags import resolve as resolve_args
+from flashmodel_engine.vllm_options import OPTIONS
 
 # Flags the profile owns; extraArgs may not set them (docs/design.md, "Enforced flags").
 # The value is the engine-config key to use instead.
@@ -35,10 +38,47 @@ ENFORCED_FLAGS: dict[str, str] = {
     # The launcher's drain relies on it (vLLM finishes in-flight requests this long on SIGTERM).
     "--shutdown-timeout": "server.drainTimeoutSeconds",
 }
-# Spellings vLLM's parser also accepts for the flags above, and ways around them.
+# Flags that are not enforced one by one but would set an enforced setting or the whole config.
 _ALIASES: dict[str, str] = {
     "--no-enforce-eager": "--enforce-eager",
-    "--config": "--config",  # a vLLM YAML config could set any enforced flag behind our back
+    # -O (vLLM rewrites it to --optimization-level) picks the compilation mode, so whether graphs run.
+    "--optimization-level": "--enforce-eager",
+    # Its backend key would replace the attention backend the profile picked.
+    "--attention-config": "--attention-backend",
+}
+CONFIG_FLAG = "--config"
+"""A vLLM YAML config could set any enforced flag behind our back."""
+
+# Flags that change the memory plan the profile's limits are made for (one card, fp16 weights and KV
+# cache in gpuMemoryUtilization of it, the graph pool for maxNumSeqs); the value says what to do instead.
+MEMORY_PLAN_FLAGS: dict[str, str] = {
+    "--num-gpu-blocks-override": "remove it; the KV cache is sized from engine.gpuMemoryUtilization",
+    "--swap-space": "remove it; the pod's memory limit does not count CPU swap blocks",
+    "--cpu-offload-gb": "remove it; the pod's memory limit does not count offloaded weights",
+    "--cpu-offload-params": "remove it; the pod's memory limit does not count offloaded weights",
+    "--offload-backend": "remove it; the pod's memory limit does not count offloaded weights",
+    "--offload-group-size": "remove it; the pod's memory limit does not count offloaded weights",
+    "--offload-num-in-group": "remove it; the pod's memory limit does not count offloaded weights",
+    "--offload-params": "remove it; the pod's memory limit does not count offloaded weights",
+    "--offload-prefetch-step": "remove it; the pod's memory limit does not count offloaded weights",
+    "--kv-offloading-size": "remove it; the pod's memory limit does not count an offloaded KV cache",
+    "--kv-offloading-backend": "remove it; the pod's memory limit does not count an offloaded KV cache",
+    "--max-seq-len-to-capture": "remove it; the graphs are captured for engine.maxNumSeqs",
+    "--tensor-parallel-size": "remove it; a profile pod has one GPU",
+    "--pipeline-parallel-size": "remove it; a profile pod has one GPU",
+    "--data-parallel-size": "remove it; a profile pod has one GPU (scale with spec.replicas)",
+    "--data-parallel-size-local": "remove it; a profile pod has one GPU (scale with spec.replicas)",
+    "--decode-context-parallel-size": "remove it; a profile pod has one GPU",
+    "--prefill-context-parallel-size": "remove it; a profile pod has one GPU",
+    "--kv-cache-dtype": "remove it; fp8 KV cache needs sm_89 and the KV budget is planned for the model dtype",
+    "--kv-cache-dtype-skip-layers": "remove it; the KV budget is planned for the model dtype",
+    "--quantization": "remove it; vLLM reads an AWQ/GPTQ checkpoint's quantization from its config",
+    "--quantization-config": "remove it; vLLM reads an AWQ/GPTQ checkpoint's quantization from its config",
+    "--speculative-config": "remove it; a draft model's weights and KV cache are outside the memory plan",
+    "--spec-method": "remove it; a draft model's weights and KV cache are outside the memory plan",
+    "--spec-model": "remove it; a draft model's weights and KV cache are outside the memory plan",
+    "--spec-tokens": "remove it; a draft model's weights and KV cache are outside the memory plan",
+    "--hf-overrides": "remove it; it can change the context length and layers the memory plan counts",
 }
 
 # vLLM's names for our attentionBackend values on GPUs.
@@ -121,35 +161,88 @@ class ResolvedEngine:
     attention_backend: str
 
 
-def _flag_name(arg: str) -> str:
-    name = arg.split("=", 1)[0]
-    # vLLM's parser treats --block_size as --block-size.
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+def _refusals(options: Options) -> dict[str, tuple[str, str]]:
+    """dest -> (the flag to name, what to do instead), for every dest an extra arg must not reach."""
+    table: dict[str, tuple[str, str]] = {}
+    for flag, field in ENFORCED_FLAGS.items():
+        table[dest_of(flag, options)] = (flag, f"remove it and set {field} instead")
+    for flag, target in _ALIASES.items():
+        table.setdefault(dest_of(flag, options), (target, f"remove it and set {ENFORCED_FLAGS[target]} instead"))
+    for flag, instead in MEMORY_PLAN_FLAGS.items():
+        table.setdefault(dest_of(flag, options), (flag, instead))
+    return table
 
 
-def check_extra_args(extra_args: list[str]) -> list[str]:
-    """One problem line per extra arg that sets an enforced flag (or could)."""
+def _verb(flag: str) -> str:
+    return "changes the memory plan with" if flag in MEMORY_PLAN_FLAGS else "sets the enforced flag"
+
+
+def _guarded_names() -> list[str]:
+    return [*ENFORCED_FLAGS, *_ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS]
+
+
+def check_extra_args(extra_args: list[str], options: Options | None = None, *, strict: bool = False) -> list[str]:
+    """One problem line per extra arg that sets an enforced or memory-plan flag, however it is spelt.
+
+    `options` is vLLM's option table (the stored one by default). With `strict` (the real parser's
+    table), a flag vLLM does not know is refused too; without it, it only is when it abbreviates a
+    guarded flag, since a stored table may be older than the engine's vLLM.
+    """
+    table = OPTIONS if options is None else options
+    refusals = _refusals(table)
+    config_dest = dest_of(CONFIG_FLAG, table)
     problems = []
-    chunked = False
-    for i, arg in enumerate(extra_args):
-        flag = _flag_name(arg)
-        target = _ALIASES.get(flag, flag)
-        if target == "--config":
+    for r in resolve_args(extra_args, table):
+        where = f"engine.extraArgs[{r.index}] {r.token!r}"
+        read_as = f" (vLLM reads {r.name} as {r.option})" if r.option and r.option != r.name else ""
+        if r.kind == "option" and r.dest == config_dest:
             problems.append(
-                f"engine.extraArgs[{i}] {arg!r}: a vLLM config file could override enforced flags; "
+                f"{where}: a vLLM config file could override enforced flags; "
                 "put its settings into the FlashModel spec instead"
             )
-        elif target in ENFORCED_FLAGS:
+        elif r.kind == "option" and r.dest in refusals:
+            flag, instead = refusals[r.dest]
+            problems.append(f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
+        elif r.kind == "ambiguous":
+            guarded = [c for c in r.candidates if table[c][0] in refusals or table[c][0] == config_dest]
+            shown = ", ".join(r.candidates[:4]) + (", ..." if len(r.candidates) > 4 else "")
             problems.append(
-                f"engine.extraArgs[{i}] {arg!r} sets the enforced flag {target}; "
-                f"remove it and set {ENFORCED_FLAGS[target]} instead"
+                f"{where} abbreviates several vLLM flags ({shown})"
+                + (f", among them the enforced {guarded[0]}" if guarded else "")
+                + "; write the flag in full"
             )
-        chunked = chunked or flag == "--enable-chunked-prefill"
+        elif r.kind == "unknown":
+            # A stored table older than the engine's vLLM may lack a guarded flag: judge it by its name.
+            guarded = [f for f in _guarded_names() if f.startswith(r.name) and len(r.name) > 2]
+            if guarded:
+                flag = _ALIASES.get(guarded[0], guarded[0])
+                read_as = f" (vLLM reads {r.name} as {guarded[0]})" if guarded[0] != r.name else ""
+                field = ENFORCED_FLAGS.get(flag, "the FlashModel spec")
+                instead = MEMORY_PLAN_FLAGS.get(flag) or f"remove it and set {field} instead"
+                problems.append(f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
+            elif strict:
+                problems.append(f"{where}: vLLM has no flag {r.name}; check its spelling (vLLM would refuse to start)")
+        elif r.kind == "positional":
+            problems.append(
+                f"{where} is not the value of a flag before it, and vLLM would take it for its positional model "
+                "argument; put each flag and its value in entries of their own (or write --flag=value)"
+            )
+        elif r.kind == "end":
+            problems.append(f"{where}: vLLM would take every entry after it for positional arguments; remove it")
     return problems
 
 
-def resolve(config: EngineConfig) -> ResolvedEngine:
-    """Apply the profile's defaults and rules; raise ProfileError listing every conflict."""
+def chunked_prefill(extra_args: list[str], options: Options | None = None) -> bool:
+    """Whether the extra args turn on chunked prefill (then the prefill cap may be below maxModelLen)."""
+    table = OPTIONS if options is None else options
+    return any(r.option == "--enable-chunked-prefill" for r in resolve_args(extra_args, table))
+
+
+def resolve(config: EngineConfig, options: Options | None = None, *, strict: bool = False) -> ResolvedEngine:
+    """Apply the profile's defaults and rules; raise ProfileError listing every conflict.
+
+    `options` and `strict` are for the extra args (see `check_extra_args`).
+    """
     profile = PROFILES[config.accelerator]
     e = config.engine
     problems: list[str] = []
@@ -200,7 +293,7 @@ def resolve(config: EngineConfig) -> ResolvedEngine:
         )
 
     mnbt = e.max_num_batched_tokens if e.max_num_batched_tokens is not None else max_model_len
-    chunked = any(_flag_name(a) == "--enable-chunked-prefill" for a in e.extra_args)
+    chunked = chunked_prefill(e.extra_args, options)
     if mnbt < max_model_len and not chunked:
         problems.append(
             f"engine.maxNumBatchedTokens is {mnbt}, below maxModelLen {max_model_len}: a full-length prompt "
@@ -213,7 +306,7 @@ def resolve(config: EngineConfig) -> ResolvedEngine:
             f"{', '.join(profile.attention_backends)} (the tile kernel needs a GPU)"
         )
 
-    problems.extend(check_extra_args(e.extra_args))
+    problems.extend(check_extra_args(e.extra_args, options, strict=strict))
     if problems:
         raise ProfileError(problems)
     return ResolvedEngine(
@@ -225,13 +318,16 @@ def resolve(config: EngineConfig) -> ResolvedEngine:
 
 
 def vllm_args(config: EngineConfig) -> list[str]:
-    """vLLM's OpenAI-server flags for this config (without the interpreter and module).
+    """vLLM's OpenAI-server flags for this config (without the interpreter and module): extra args, then enforced.
 
     The API key is not a flag: it would show in `ps` and in status.engineArgs, so the launcher
     hands it to vLLM as VLLM_API_KEY (see `vllm_env`).
     """
     r = resolve(config)
+    # The extra args first: argparse keeps the last value of a flag, so whatever an extra arg
+    # slipped past the checks, the enforced value after it wins.
     args = [
+        *config.engine.extra_args,
         "--model", config.model.path,
         "--served-model-name", config.model.served_name,
         "--host", config.server.host,
@@ -255,7 +351,7 @@ def vllm_args(config: EngineConfig) -> list[str]:
         backend = _GPU_ATTENTION[r.attention_backend]
         if backend is not None:
             args += ["--attention-backend", backend]
-    return args + list(config.engine.extra_args)
+    return args
 
 
 def vllm_env(config: EngineConfig) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -83,11 +84,18 @@ class EngineShim:
         self.max_model_len = resolved.max_model_len
         self.prewarm_batch = min(MAX_BATCH_REQUESTS, resolved.max_num_seqs)
         """Requests of prewarm's concurrent batch: more than the engine runs at once would only queue."""
+        self.control_token: str | None = None
+        """What POST /prewarm must carry: the port also serves the kubelet's probes and the Service."""
+        if config.server.control_token_file is not None:
+            self.control_token = Path(config.server.control_token_file).read_text().strip()
         self.metrics = EngineMetrics(config.remediation)
         self.memory = MemoryReader()
         self.started = False
         self.draining = False
         self.prewarm_result: PrewarmResult | None = None
+        self.prewarmed_generation: int | None = None
+        """The engine process generation whose prewarm succeeded: a later failed prewarm of the same
+        process does not make it cold again, a restarted process must be prewarmed anew."""
         self._prewarm_task: asyncio.Task[PrewarmResult] | None = None
         self._ready: tuple[float, bool, str] | None = None
         self._ready_task: asyncio.Task[tuple[bool, str]] | None = None
@@ -170,7 +178,7 @@ class EngineShim:
             return False, f"engine process exited with code {self.engine.returncode}"
         if not self.started:
             return False, "engine is still loading the model"
-        if self.config.prewarm.enabled and not (self.prewarm_result and self.prewarm_result.ok):
+        if self.config.prewarm.enabled and self.prewarmed_generation != self.engine.generation:
             why = self.prewarm_result.error if self.prewarm_result else "not run yet"
             return False, f"prewarm has not succeeded ({why}); POST /prewarm"
         now = time.monotonic()
@@ -253,9 +261,11 @@ class EngineShim:
         self._own_requests += result.requests + result.batched
         self._own_tokens += result.completion_tokens
         self.prewarm_result = result
-        self._ready = None
+        if result.ok:
+            self.prewarmed_generation = self.engine.generation
+            self._ready = None
         m = self.metrics
-        m.prewarm_succeeded.set(1 if result.ok else 0)
+        m.prewarm_succeeded.set(1 if self.prewarmed_generation == self.engine.generation else 0)
         m.prewarm_duration.set(result.duration_seconds)
         m.prewarm_ttft.labels(phase="cold").set(result.cold_ttft_ms / 1000)
         m.prewarm_ttft.labels(phase="warm").set(result.warm_ttft_ms / 1000)
@@ -325,7 +335,18 @@ class EngineShim:
         age = time.monotonic() - (self.engine.started_at or time.monotonic())
         return _reply(503, False, f"engine loading for {age:.0f}s")
 
+    def authorized(self, request: web.Request) -> bool:
+        """Whether a state-changing request carries the operator's token (compared in constant time)."""
+        if self.control_token is None:
+            return True
+        sent = request.headers.get("Authorization", "").encode()
+        return hmac.compare_digest(sent, f"Bearer {self.control_token}".encode())
+
     async def handle_prewarm_post(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            # The probes on this port stay open to the kubelet; prewarm runs generations and sets readiness.
+            return _reply(401, False, "POST /prewarm answers only the operator: send its token as "
+                                      "Authorization: Bearer <token> (the model's <name>-shim Secret)")
         try:
             requests, prompts = parse_prewarm_body(await request.read(), self.config.prewarm.requests)
         except BadRequest as e:

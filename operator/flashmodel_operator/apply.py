@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import logging
+import os
+import random
 import threading
+import time
 from typing import Any, Literal
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
@@ -21,7 +26,31 @@ API_WRITES = Counter(
     "flashmodel_operator_api_writes_total", "Writes the operator sent to the API server", ["verb", "kind"]
 )
 
+API_RETRIES = Counter(
+    "flashmodel_operator_api_retries_total",
+    "API requests the operator sent again after a transient failure",
+    ["reason"],
+)
+
 ApplyResult = Literal["created", "updated", "unchanged"]
+
+# Answers that say "not now" rather than "no": throttling, an API server restarting or overloaded,
+# an aggregated API or a proxy in between failing. The request is sent again after a short pause.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+RETRY_DELAYS: tuple[float, ...] = tuple(
+    float(d) for d in os.environ.get("FLASHMODEL_API_RETRY_DELAYS", "0.1,0.25,0.5,1,2").split(",") if d
+)
+"""Pauses before each resend (jittered down by up to half). Five resends: at a 10 % fault rate one call
+in 10^6 still fails; a throttled 429's Retry-After is honoured up to the same longest pause."""
+REQUEST_TIMEOUT = (5.0, 30.0)
+"""(connect, read) seconds: a request the network swallowed is sent again instead of waited on for ever."""
+
+
+def transient(exc: BaseException) -> bool:
+    """An error another try may not see: a retryable status, a dropped or refused connection, a timeout."""
+    if isinstance(exc, ApiException):
+        return exc.status in RETRY_STATUSES or not exc.status
+    return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
 
 # Where each child kind lives in the REST API (the operator writes no other kinds).
 _PATHS: dict[tuple[str, str], str] = {
@@ -95,7 +124,14 @@ class Cluster:
         query: list[tuple[str, Any]] | None = None,
         content_type: str | None = None,
         kind: str = "",
+        retry_throttled: bool = True,
     ) -> Any:
+        """One API request, sent again after a pause on a transient failure (see RETRY_STATUSES).
+
+        The pauses are short and bounded, like client-go's own retries, so one dropped connection
+        costs a fraction of a second instead of a failed handler and its back-off.
+        `retry_throttled=False` returns a 429 at once: for an eviction it means a budget said no.
+        """
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
@@ -106,11 +142,31 @@ class Cluster:
         method_, url, headers_, body_, _ = self.api.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
         )
-        response = self.api.call_api(method_, url, header_params=headers_, body=body_)
-        data: bytes = response.read()  # type: ignore[no-untyped-call]
-        if not 200 <= response.status < 300:
-            raise ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
-        return json.loads(data) if data else None
+        for delay in (*RETRY_DELAYS, None):
+            try:
+                response = self.api.call_api(
+                    method_, url, header_params=headers_, body=body_, _request_timeout=REQUEST_TIMEOUT
+                )
+                data: bytes = response.read()  # type: ignore[no-untyped-call]
+            except (urllib3.exceptions.HTTPError, OSError, ApiException) as exc:
+                # The client reports some transport failures (TLS) as an ApiException with status 0.
+                if delay is None or not transient(exc):
+                    raise
+                reason, pause = type(exc).__name__, delay
+            else:
+                if 200 <= response.status < 300:
+                    return json.loads(data) if data else None
+                error = ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
+                if delay is None or not transient(error) or (response.status == 429 and not retry_throttled):
+                    raise error
+                reason, pause = str(response.status), delay
+                after = (response.headers or {}).get("Retry-After") if response.status == 429 else None
+                if after and after.isdigit():
+                    pause = min(float(after), max(RETRY_DELAYS))
+            API_RETRIES.labels(reason=reason).inc()
+            log.debug("event=api-retry method=%s path=%s reason=%s pause_s=%.2f", method, path, reason, pause)
+            time.sleep(pause * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -149,6 +205,30 @@ class Cluster:
             content_type="application/apply-patch+yaml",
         )
         return "created" if live is None else "updated"
+
+    def create(self, desired: dict[str, Any]) -> bool:
+        """Create `desired` unless an object of its name exists (then False): for what must be made only once."""
+        meta = desired["metadata"]
+        try:
+            self._call(
+                "POST",
+                collection_path(desired["apiVersion"], desired["kind"], meta["namespace"]),
+                body=desired,
+                kind=desired["kind"],
+                query=[("fieldManager", FIELD_MANAGER)],
+                content_type="application/json",
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None when the Secret or the key is missing."""
+        secret = self.get("v1", "Secret", namespace, name)
+        raw = ((secret or {}).get("data") or {}).get(key)
+        return base64.b64decode(raw).decode() if raw is not None else None
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         try:
@@ -193,7 +273,13 @@ class Cluster:
         """Evict through the Eviction API, so PodDisruptionBudgets hold; 'blocked' when a budget says no."""
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
         try:
-            self._call("POST", f"{collection_path('v1', 'Pod', namespace)}/{name}/eviction", body=body, kind="Eviction")
+            self._call(
+                "POST",
+                f"{collection_path('v1', 'Pod', namespace)}/{name}/eviction",
+                body=body,
+                kind="Eviction",
+                retry_throttled=False,
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return "gone"

@@ -85,10 +85,14 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
         ready = _condition(READY, False, obs.problem.reason, obs.problem.message, gen, before, now)
     elif want == 0:
         ready = _condition(READY, False, "ScaledToZero", "spec.replicas is 0", gen, before, now)
-    elif obs.ready_replicas >= want and not rolling:
+    elif min(obs.ready_replicas, obs.prewarmed_replicas) >= want and not rolling:
         ready = _condition(
             READY, True, "AllReplicasReady", f"{obs.ready_replicas}/{want} pods ready and prewarmed", gen, before, now
         )
+    elif obs.ready_replicas >= want and not rolling:
+        # Ready by the kubelet, but the operator did not see every pod prewarm (its gate was set by another).
+        msg = f"{obs.ready_replicas}/{want} pods ready, {obs.prewarmed_replicas} prewarmed by the operator"
+        ready = _condition(READY, False, "NotPrewarmed", msg, gen, before, now)
     else:
         msg = f"{obs.ready_replicas}/{want} pods ready"
         ready = _condition(READY, False, "ReplicasNotReady", msg, gen, before, now)

@@ -17,10 +17,10 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
-from flashmodel_operator.apply import Cluster
+from flashmodel_operator.apply import Cluster, transient
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.remediation import Decision, ModelBudget, PodHealth, decide
-from flashmodel_operator.render import MODEL_LABEL, PREWARM_GATE
+from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.shim_client import ShimClient
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class ModelState:
     last_remediation: float | None = None
     last_hold: str | None = None
     written: list[dict[str, Any]] | None = None
+    control_token: str | None = None
+    """The model's `<name>-shim` token, which the shims require on POST /prewarm."""
 
 
 MODELS: dict[tuple[str, str], ModelState] = {}
@@ -88,15 +90,29 @@ def model_state(namespace: str, model: str) -> ModelState:
     return MODELS.setdefault((namespace, model), ModelState())
 
 
+PREWARMED_REASONS = frozenset({"PrewarmSucceeded", "PrewarmDisabled"})
+"""The gate reasons this operator writes when it opens the gate; anything else did not see our prewarm."""
+
+
 def gate_is_true(pod: dict[str, Any]) -> bool:
+    """The pod's readiness gate is open, and by this operator after a prewarm it saw succeed.
+
+    A gate set True by anyone else (kwok sets every readiness gate of the pods it runs) is no prewarm.
+    """
     return any(
-        c.get("type") == PREWARM_GATE and c.get("status") == "True"
+        c.get("type") == PREWARM_GATE and c.get("status") == "True" and c.get("reason") in PREWARMED_REASONS
         for c in (pod.get("status") or {}).get("conditions") or []
     )
 
 
 def container_restarts(pod: dict[str, Any]) -> int:
     return sum(int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def history_length(fm: dict[str, Any]) -> int:
+    """How many status.remediations to keep: at least HISTORY, and all an hour's budget can hold."""
+    budget = ((fm.get("spec") or {}).get("remediation") or {}).get("maxRestartsPerHour", 0)
+    return max(HISTORY, int(budget) if isinstance(budget, int) else 0)
 
 
 def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
@@ -136,15 +152,30 @@ class PodWatch:
         self.divergent_since: float | None = None
         self.readyz_failing_since: float | None = None
         self.restarts_seen: int | None = None
+        self.prewarm_failure: str | None = None
+        """Set once every prewarm attempt failed: the pod waits for its turn to be replaced."""
 
     async def _api(self, fn: Callable[..., T], *args: Any) -> T:
         # The API client is synchronous; keep the event loop free for the other pods.
         return await asyncio.to_thread(fn, *args)
 
     async def run(self, stopped: Any) -> None:
+        failures = 0
         try:
             while not stopped:
-                delay = await self.step()
+                try:
+                    delay = await self.step()
+                except Exception as exc:
+                    if not transient(exc):
+                        raise
+                    # One failed read must not end the watch (kopf would restart it only after a back-off):
+                    # look again soon, a little later each time while the API keeps failing.
+                    failures += 1
+                    delay = min(POLL_SECONDS, 0.5 * 2 ** min(failures, 4))
+                    log.warning("event=pod-watch-retry model=%s/%s pod=%s failures=%d error=%s", self.namespace,
+                                self.model, self.name, failures, type(exc).__name__)
+                else:
+                    failures = 0
                 if delay is None:
                     return
                 await asyncio.sleep(delay)
@@ -178,7 +209,12 @@ class PodWatch:
             spec = FlashModelSpec.model_validate(fm.get("spec") or {})
         except ValidationError:
             return POLL_SECONDS  # the reconcile reports the spec problem
-        shim = ShimClient(self.session, ip)
+        if self.state.control_token is None:
+            # The Secret is made before the Deployment and lives as long as the model: read it once.
+            self.state.control_token = await self._api(
+                self.cluster.secret_value, self.namespace, control_secret_name(self.model), CONTROL_TOKEN_KEY
+            )
+        shim = ShimClient(self.session, ip, token=self.state.control_token)
         if not gate_is_true(pod):
             return await self.prewarm(pod, fm, spec, shim)
         return await self.watch(pod, fm, spec, shim)
@@ -196,6 +232,8 @@ class PodWatch:
             record.prewarmed, record.reason = True, "PrewarmDisabled"
             await self.write_pods_status()
             return POLL_SECONDS
+        if self.prewarm_failure is not None:
+            return await self.replace_unprewarmed(fm, spec)
         started = time.monotonic()
         result = await shim.prewarm(spec.prewarm.requests, spec.prewarm.prompts, spec.prewarm.timeout_seconds)
         if result.get("ok"):
@@ -224,6 +262,9 @@ class PodWatch:
             await self.write_pods_status()
             return POLL_SECONDS
         PREWARMS.labels(result="failed").inc()
+        if result.get("status") == 401:
+            # A model deleted and made again under its name has a new token: read it again.
+            self.state.control_token = None
         self.attempts += 1
         record.prewarm_failures += 1
         record.reason = "PrewarmFailed"
@@ -240,11 +281,34 @@ class PodWatch:
         )
         await self.write_pods_status()
         if self.attempts >= PREWARM_ATTEMPTS:
-            replaced = f"pod {self.name} replaced after {self.attempts} failed prewarms: {error}"
-            await self._api(self.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
-            await self.evict_and_record(fm, Decision("evict", "PrewarmFailed", self.name, replaced))
-            return None
+            self.prewarm_failure = f"{self.attempts} failed prewarms: {error}"
+            return await self.replace_unprewarmed(fm, spec)
         return float(PREWARM_BACKOFF_SECONDS * 2 ** (self.attempts - 1))
+
+    async def replace_unprewarmed(self, fm: dict[str, Any], spec: FlashModelSpec) -> float | None:
+        """Ask for this never-prewarmed pod's eviction on the one path with the budget, back-off and one at a time."""
+        assert self.prewarm_failure is not None
+        health = PodHealth(
+            name=self.name,
+            prewarmed=False,
+            livez_ok=False,
+            divergence_recommended=False,
+            divergence_ratio=0.0,
+            divergent_since=None,
+            readyz_failing_since=None,
+            prewarm_failure=self.prewarm_failure,
+        )
+        async with self.state.lock:
+            self.state.health[self.name] = health
+            decision = await self.decide(fm, spec, time.monotonic())
+            if decision is not None and decision.action == "evict":
+                self.state.in_flight = decision.pod
+        if decision is None or decision.action != "evict":
+            return POLL_SECONDS  # held (the event says why); asked again on the next look
+        replaced = f"pod {self.name} replaced after {decision.message}"
+        await self._api(self.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
+        await self.evict_and_record(fm, decision)
+        return None
 
     async def watch(
         self, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
@@ -310,7 +374,9 @@ class PodWatch:
             restarts_last_hour=restarts_last_hour(fm, dt.datetime.now(dt.UTC)),
             in_flight=self.state.in_flight,
             seconds_since_last=None if self.state.last_remediation is None else now - self.state.last_remediation,
-            ready_pods=int((fm.get("status") or {}).get("readyReplicas", 0)),
+            # The pods this operator saw prewarm and that pass readiness now, not the Deployment's count
+            # (which counts any gate set True, kwok's included).
+            ready_pods=sum(1 for p in pods if p.prewarmed and p.readyz_failing_since is None and not p.deleting),
             desired_pods=spec.replicas,
         )
         decision = decide(pods, budget, spec.remediation, now)
@@ -403,7 +469,7 @@ class PodWatch:
             "time": _now_iso(),
         }
         latest = await self._api(self.cluster.get_flashmodel, self.namespace, self.model) or fm
-        history = [*((latest.get("status") or {}).get("remediations") or []), entry][-HISTORY:]
+        history = [*((latest.get("status") or {}).get("remediations") or []), entry][-history_length(latest):]
         await self._api(self.cluster.patch_status, self.namespace, self.model, {"remediations": history})
         await self._api(
             self.cluster.event,

@@ -21,6 +21,8 @@ from flashmodel_operator.reconcile import reconcile
 log = logging.getLogger(__name__)
 
 RESYNC_SECONDS = float(os.environ.get("FLASHMODEL_RESYNC_SECONDS", "60"))
+HANDLER_BACKOFF_SECONDS = float(os.environ.get("FLASHMODEL_HANDLER_BACKOFF_SECONDS", "2"))
+"""How soon kopf runs a failed handler again (its default is 60 s: one dropped request cost a minute)."""
 _OWNED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 _cluster: Cluster | None = None
@@ -48,6 +50,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.enabled = False
     settings.execution.max_workers = 16
     settings.watching.server_timeout = 300
+    # kopf's own requests (its progress annotations, the watch streams) retry sooner than its defaults.
+    settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
+    settings.watching.reconnect_backoff = 0.5
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     port = int(os.environ.get("FLASHMODEL_METRICS_PORT", "8090"))
@@ -82,17 +87,35 @@ def _reconcile_latest(namespace: str | None, name: str) -> None:
         )
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
+@kopf.on.create(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
+@kopf.on.update(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
 def on_flashmodel_change(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS,
+            backoff=HANDLER_BACKOFF_SECONDS)
 def resync(namespace: str | None, name: str, **_: Any) -> None:
     # Catches drift in children and anything a missed watch event would have told us.
     _reconcile_latest(namespace, name)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def auth_secret_refs(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str] | None:
+    """(namespace, Secret name) -> the FlashModels whose spec.auth names that Secret."""
+    secret = ((spec.get("auth") or {}).get("apiKeySecretRef") or {}).get("name")
+    return {(namespace, str(secret)): name} if namespace and secret else None
+
+
+@kopf.on.event("", "v1", "secrets")
+def on_auth_secret(namespace: str | None, name: str, **kwargs: Any) -> None:
+    # A model waiting for its key (no Deployment until it exists) goes on as soon as it is created,
+    # not at the next resync; a changed or deleted key is reconciled at once too.
+    refs: kopf.Index[tuple[str, str], str] = kwargs["auth_secret_refs"]
+    for model in sorted(set(refs.get((namespace or "", name), []))):
+        log.info("event=auth-secret-changed model=%s/%s secret=%s", namespace, model, name)
+        _reconcile_latest(namespace, model)
 
 
 def _owner_name(body: kopf.Body) -> str | None:
@@ -117,7 +140,7 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
         _reconcile_latest(namespace, model)
 
 
-@kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5)
+@kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5, backoff=HANDLER_BACKOFF_SECONDS)
 async def engine_pod(
     namespace: str | None, name: str, labels: kopf.Labels, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
+import secrets
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,16 +16,19 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
-from flashmodel_operator.apply import Cluster, api_message, namespace_terminating
+from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
+from flashmodel_operator.gating import gate_is_true
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_PORT,
     PREFLIGHT_EXIT_CODE,
-    PREWARM_GATE,
+    control_secret_name,
     engine_config,
+    pod_template_problems,
     render_children,
+    render_control_secret,
     render_pod_template,
     selector_string,
 )
@@ -34,6 +40,9 @@ RETRY_ANNOTATION = f"{GROUP}/retry"
 
 # One pass per FlashModel at a time: the timer, spec changes and child events all reconcile.
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+TRANSIENT_GRACE_SECONDS = float(os.environ.get("FLASHMODEL_TRANSIENT_GRACE_SECONDS", "30"))
+"""How long transient API failures (after the client's own retries) may last before a model shows Degraded."""
+_failing_since: dict[tuple[str, str], float] = {}
 
 
 @dataclass
@@ -63,10 +72,8 @@ def _retry_token(body: dict[str, Any]) -> str:
 
 
 def _pod_is_prewarmed(pod: dict[str, Any]) -> bool:
-    return any(
-        c.get("type") == PREWARM_GATE and c.get("status") == "True"
-        for c in pod.get("status", {}).get("conditions") or []
-    )
+    # Only a gate this operator opened after a prewarm it saw succeed counts (kwok opens every gate).
+    return gate_is_true(pod)
 
 
 def preflight_refusal(
@@ -92,8 +99,24 @@ def preflight_refusal(
 
 def reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     meta = body["metadata"]
-    with _locks[(meta["namespace"], meta["name"])]:
-        return _reconcile(cluster, body)
+    key = (meta["namespace"], meta["name"])
+    with _locks[key]:
+        try:
+            outcome = _reconcile(cluster, body)
+        except Exception as exc:
+            if transient(exc):
+                _failing_since.setdefault(key, time.monotonic())
+            raise
+        _failing_since.pop(key, None)
+        return outcome
+
+
+def _still_transient(exc: Exception, key: tuple[str, str]) -> bool:
+    """A transient failure not yet lasting TRANSIENT_GRACE_SECONDS: retried quietly, no Degraded."""
+    if not transient(exc):
+        return False
+    since = _failing_since.setdefault(key, time.monotonic())
+    return time.monotonic() - since < TRANSIENT_GRACE_SECONDS
 
 
 def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
@@ -118,6 +141,12 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         except ValueError as exc:
             # The schema caught what it could; this is what only the profile logic sees.
             problem = Problem("EngineConfigRefused", str(exc))
+    if fm is not None and args is not None:
+        pod_problems = pod_template_problems(fm)
+        if pod_problems:
+            # The render puts the enforced parts back anyway; refusing tells the user their patch is not what runs.
+            problem = Problem("PodTemplateRefused", "; ".join(pod_problems))
+            args = None
 
     if fm is None or args is None:
         assert problem is not None
@@ -152,29 +181,44 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     elif status.get("preflightRefusal"):
         new_status["preflightRefusal"] = None
 
-    if fm.spec.auth is not None and problem is None:
+    secret_missing = False
+    if fm.spec.auth is not None:
         ref = fm.spec.auth.api_key_secret_ref
         secret = cluster.get("v1", "Secret", ns, ref.name)
-        if secret is None or ref.key not in (secret.get("data") or {}):
+        secret_missing = secret is None or ref.key not in (secret.get("data") or {})
+        if secret_missing and problem is None:
             problem = Problem(
                 "AuthSecretNotFound",
                 f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
-                f"{ref.key!r} not found; create it, or remove spec.auth",
+                f"{ref.key!r} not found; create it, or remove spec.auth (no pod starts until then)",
             )
 
+    # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
+    control_missing = cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
+    if control_missing and cluster.create(render_control_secret(fm, secrets.token_urlsafe(32))):
+        log.info("event=control-secret-created model=%s/%s", ns, name)
+
     children = render_children(fm, replicas=0 if held else None)
+    if secret_missing:
+        # A pod without its key would serve without authentication or crash-loop on the missing mount;
+        # the Secret's arrival triggers a pass at once (handlers.on_auth_secret).
+        children = [c for c in children if c["kind"] != "Deployment"]
     for child in children:
         try:
             result = cluster.apply(child)
-        except ApiException as exc:
-            if namespace_terminating(exc):
+        except Exception as exc:
+            if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
+                # A dropped connection or a 5xx the client's retries did not outlast says nothing about
+                # the model: the handler's back-off retries it, and only a lasting failure is Degraded.
                 raise
             # Without this the model would show no status at all while kopf retries (seen when a
             # Service range was full): say which child the API server refused and why.
             kind, child_name = child["kind"], child["metadata"]["name"]
+            code = exc.status if isinstance(exc, ApiException) else type(exc).__name__
+            detail = api_message(exc) if isinstance(exc, ApiException) else str(exc)[:300]
             refused = Problem(
                 "ApplyFailed",
-                f"the API server refused {kind} {child_name} ({exc.status}): {api_message(exc)}; "
+                f"the API server refused {kind} {child_name} ({code}): {detail}; "
                 "the operator retries with back-off",
             )
             outcome.problem = refused

@@ -10,6 +10,7 @@ from flashmodel_operator.model import RemediationSpec
 
 MEMORY_DIVERGENCE = "MemoryDivergence"
 GENERATION_HUNG = "GenerationHung"
+PREWARM_FAILED = "PrewarmFailed"
 
 # The engine already requires divergence to be sustained over its window; the operator adds
 # its own short confirmation so one stale or flapping scrape never evicts a pod.
@@ -34,6 +35,8 @@ class PodHealth:
     readyz_failing_since: float | None
     """Monotonic time since which /readyz failed on every poll (after prewarm); None when it passed."""
     deleting: bool = False
+    prewarm_failure: str | None = None
+    """Why its prewarm failed every attempt (the pod never served); None when it did not."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class ModelBudget:
     """A pod of this model being drained or evicted now."""
     seconds_since_last: float | None
     ready_pods: int
+    """Pods the operator itself saw prewarm that pass readiness now."""
     desired_pods: int
 
 
@@ -61,6 +65,8 @@ class Decision:
 def _candidate(pod: PodHealth, spec: RemediationSpec, now: float) -> tuple[str, str, float] | None:
     if pod.deleting:
         return None
+    if pod.prewarm_failure is not None:
+        return PREWARM_FAILED, pod.prewarm_failure, pod.divergence_ratio
     if pod.divergence_recommended and pod.divergent_since is not None and now - pod.divergent_since >= CONFIRM_SECONDS:
         return (
             MEMORY_DIVERGENCE,

@@ -19,6 +19,9 @@ SHIM_PORT = 8081
 CONFIG_DIR = "/etc/flashmodel"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.yaml"
 AUTH_DIR = f"{CONFIG_DIR}/auth"
+CONTROL_DIR = f"{CONFIG_DIR}/control"
+CONTROL_TOKEN_KEY = "token"
+"""Key of the per-model Secret `<name>-shim` whose token the shim requires on POST /prewarm."""
 PREWARM_GATE = f"{GROUP}/prewarmed"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 APPLIED_HASH_ANNOTATION = f"{GROUP}/applied-hash"
@@ -87,7 +90,12 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         "prewarm": spec.prewarm.model_dump(by_alias=True),
         "health": spec.health.model_dump(by_alias=True),
         "remediation": spec.remediation.model_dump(by_alias=True),
-        "server": {"host": "0.0.0.0", "enginePort": ENGINE_PORT, "shimPort": SHIM_PORT},
+        "server": {
+            "host": "0.0.0.0",
+            "enginePort": ENGINE_PORT,
+            "shimPort": SHIM_PORT,
+            "controlTokenFile": f"{CONTROL_DIR}/{CONTROL_TOKEN_KEY}",
+        },
     }
     if spec.auth is not None:
         config["auth"] = {"apiKeyFile": f"{AUTH_DIR}/{spec.auth.api_key_secret_ref.key}"}
@@ -101,6 +109,21 @@ def engine_config_yaml(fm: FlashModel) -> str:
 def content_hash(obj: Any) -> str:
     """A stable hash of a JSON-able value: the same desired state always gives the same hash."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def control_secret_name(fm_name: str) -> str:
+    return f"{fm_name}-shim"
+
+
+def render_control_secret(fm: FlashModel, token: str) -> dict[str, Any]:
+    """The Secret with the token only the operator and the model's pods hold (made once, never re-rendered)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(fm, control_secret_name(fm.name)),
+        "type": "Opaque",
+        "stringData": {CONTROL_TOKEN_KEY: token},
+    }
 
 
 def render_configmap(fm: FlashModel) -> dict[str, Any]:
@@ -136,18 +159,18 @@ def _model_volume(fm: FlashModel) -> tuple[list[dict[str, Any]], list[dict[str, 
     return [], []
 
 
-def render_pod_template(fm: FlashModel) -> dict[str, Any]:
-    """The engine pod: profile-enforced settings first, then the user's overrides, then the patch."""
+def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
+    """The engine pod before the patch: the profile's settings, then the user's fields."""
     spec = fm.spec
     profile = pod_profile(spec.accelerator)
     health = spec.health
 
     resources: dict[str, Any] = copy.deepcopy(spec.resources)
     for resource, amount in profile.limits.items():
-        limits = resources.setdefault("limits", {})
-        limits.setdefault(resource, amount)
-        # Extended resources must have requests equal to limits.
-        resources.setdefault("requests", {})[resource] = limits[resource]
+        # The profile's count wins (a pod with nvidia.com/gpu: 0 ran on a T4 node with no GPU);
+        # extended resources must have requests equal to limits.
+        resources.setdefault("limits", {})[resource] = amount
+        resources.setdefault("requests", {})[resource] = amount
 
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -166,6 +189,7 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volume(fm)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": f"{fm.name}-engine"}},
+        {"name": "control", "secret": {"secretName": control_secret_name(fm.name), "defaultMode": 0o440}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": profile.shm_size}},
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
@@ -173,6 +197,7 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "control", "mountPath": CONTROL_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": "/cache"},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -228,7 +253,8 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
         },
         "enableServiceLinks": False,
     }
-    node_selector = {**profile.node_selector, **spec.node_selector}
+    # The profile's keys win: a user selector for other GPUs would put a T4 engine where it cannot run.
+    node_selector = {**spec.node_selector, **profile.node_selector}
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     tolerations = [*profile.tolerations, *spec.tolerations]
@@ -238,13 +264,59 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
         pod_spec["affinity"] = copy.deepcopy(spec.affinity)
 
     config_hash = content_hash({"engine.yaml": engine_config_yaml(fm)})
-    template: dict[str, Any] = {
+    return {
         "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
         "spec": pod_spec,
     }
-    if spec.pod_template_patch:
-        template = merge_patch(template, spec.pod_template_patch)
+
+
+def render_pod_template(fm: FlashModel) -> dict[str, Any]:
+    """The engine pod: the profile's settings, the user's fields, the patch, then the enforced parts again."""
+    template, _ = _patched_template(fm)
     return template
+
+
+def pod_template_problems(fm: FlashModel) -> list[str]:
+    """What the spec's podTemplatePatch, resources or nodeSelector try to change of the enforced pod.
+
+    The rendered pod holds the enforced parts whatever these say; the reconcile refuses such a spec
+    so that the user learns it, instead of running something other than what they wrote.
+    """
+    _, problems = _patched_template(fm)
+    return problems
+
+
+def _patched_template(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
+    base = _base_pod_template(fm)
+    problems = _spec_problems(fm)
+    if not fm.spec.pod_template_patch:
+        return base, problems
+    try:
+        patched = strategic_merge(base, fm.spec.pod_template_patch)
+    except PatchError as exc:
+        return base, [*problems, f"spec.podTemplatePatch cannot be applied: {exc}"]
+    return patched, problems + enforce(base, patched)
+
+
+def _spec_problems(fm: FlashModel) -> list[str]:
+    profile = pod_profile(fm.spec.accelerator)
+    problems = []
+    limits = (fm.spec.resources.get("limits") or {}) if isinstance(fm.spec.resources, dict) else {}
+    requests = (fm.spec.resources.get("requests") or {}) if isinstance(fm.spec.resources, dict) else {}
+    for resource, amount in profile.limits.items():
+        for where, values in (("limits", limits), ("requests", requests)):
+            if resource in values and str(values[resource]) != amount:
+                problems.append(
+                    f"spec.resources.{where}[{resource}] is {values[resource]}; the {profile.name} profile runs each "
+                    f"engine on exactly {amount}; remove it (the operator sets it)"
+                )
+    for key, value in profile.node_selector.items():
+        if key in fm.spec.node_selector and fm.spec.node_selector[key] != value:
+            problems.append(
+                f"spec.nodeSelector[{key}] is {fm.spec.node_selector[key]!r}; the {profile.name} profile runs "
+                f"only where it is {value!r}; remove it, or use the accelerator that matches those nodes"
+            )
+    return problems
 
 
 def render_deployment(fm: FlashModel, replicas: int | None = None) -> dict[str, Any]:
@@ -361,33 +433,228 @@ def render_children(fm: FlashModel, replicas: int | None = None) -> list[dict[st
     return children
 
 
-def merge_patch(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """Merge `patch` into `base` the way users expect of a pod template patch.
+class PatchError(ValueError):
+    """A pod template patch that a strategic merge cannot apply."""
 
-    Maps merge key by key, `null` removes a key, and lists of named items (containers,
-    volumes, env, volumeMounts, ports) merge by `name` as in a strategic merge patch; any
-    other list is replaced whole.
+
+# Kubernetes' patch strategy per list of a pod template (the patchMergeKey tags of k8s.io/api core/v1):
+# these lists merge item by item on their key; every other list (args, tolerations, readinessGates,
+# envFrom, ...) is replaced whole, as a strategic merge patch does.
+_CONTAINER_LISTS = {"env": "name", "volumeMounts": "mountPath", "volumeDevices": "devicePath",
+                    "ports": "containerPort", "resizePolicy": "resourceName"}
+MERGE_KEYS: dict[tuple[str, ...], str] = {
+    ("spec", "volumes"): "name",
+    ("spec", "imagePullSecrets"): "name",
+    ("spec", "hostAliases"): "ip",
+    ("spec", "schedulingGates"): "name",
+    ("spec", "resourceClaims"): "name",
+    ("spec", "topologySpreadConstraints"): "topologyKey",
+    **{("spec", kind): "name" for kind in ("containers", "initContainers", "ephemeralContainers")},
+    **{
+        ("spec", kind, "*", field): key
+        for kind in ("containers", "initContainers", "ephemeralContainers")
+        for field, key in _CONTAINER_LISTS.items()
+    },
+}
+
+
+def strategic_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """`patch` applied to the pod template `base` by Kubernetes' strategic-merge rules.
+
+    Maps merge key by key and `null` removes a key; the lists in MERGE_KEYS merge on their key,
+    where an item `{"<key>": ..., "$patch": "delete"}` removes one and `{"$patch": "replace"}` in
+    the list replaces it whole; other lists are replaced. A map with `"$patch": "replace"` replaces
+    what it patches.
     """
+    merged = _merge_map(base, patch, ())
+    return merged if merged is not None else {}
+
+
+def _merge_map(base: dict[str, Any], patch: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    directive = patch.get("$patch")
+    if directive == "delete":
+        return None
+    if directive == "replace":
+        return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
+    if directive is not None:
+        raise PatchError(f"{'.'.join(path) or 'the patch'}: $patch {directive!r} is not merge, replace or delete")
     out = copy.deepcopy(base)
     for key, value in patch.items():
+        if key.startswith("$"):
+            raise PatchError(f"{'.'.join(path) or 'the patch'}: the directive {key} is not supported; "
+                             "write the fields it would set instead")
+        sub = (*path, key)
         if value is None:
             out.pop(key, None)
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_patch(out[key], value)
-        elif isinstance(value, list) and isinstance(out.get(key), list) and _named(value) and _named(out[key]):
-            merged = {item["name"]: item for item in out[key]}
-            order = [item["name"] for item in out[key]]
-            for item in value:
-                if item["name"] in merged:
-                    merged[item["name"]] = merge_patch(merged[item["name"]], item)
-                else:
-                    merged[item["name"]] = copy.deepcopy(item)
-                    order.append(item["name"])
-            out[key] = [merged[name] for name in order]
+            merged = _merge_map(out[key], value, sub)
+            if merged is None:
+                out.pop(key, None)
+            else:
+                out[key] = merged
+        elif isinstance(value, list) and _wildcard(sub) in MERGE_KEYS:
+            out[key] = _merge_list(out.get(key) or [], value, sub, MERGE_KEYS[_wildcard(sub)])
+        elif isinstance(value, dict):
+            out[key] = {k: copy.deepcopy(v) for k, v in value.items() if k != "$patch"}
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
-def _named(items: list[Any]) -> bool:
-    return bool(items) and all(isinstance(i, dict) and "name" in i for i in items)
+def _wildcard(path: tuple[str, ...]) -> tuple[str, ...]:
+    # The items of a keyed list share one strategy: spec.containers[engine].env is spec.containers.*.env.
+    return tuple("*" if i > 0 and MERGE_KEYS.get(path[:i]) else part for i, part in enumerate(path))
+
+
+def _merge_list(base: list[Any], patch: list[Any], path: tuple[str, ...], key: str) -> list[Any]:
+    where = ".".join(path)
+    if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
+        return [copy.deepcopy(item) for item in patch if not (isinstance(item, dict) and "$patch" in item)]
+    out = [copy.deepcopy(item) for item in base]
+    for item in patch:
+        if not isinstance(item, dict) or key not in item:
+            raise PatchError(f"{where}: every item needs its merge key {key!r} (Kubernetes merges this list on it)")
+        index = next((i for i, old in enumerate(out) if isinstance(old, dict) and old.get(key) == item[key]), None)
+        if item.get("$patch") == "delete":
+            if index is not None:
+                out.pop(index)
+        elif index is None:
+            out.append({k: copy.deepcopy(v) for k, v in item.items() if k != "$patch"})
+        else:
+            merged = _merge_map(out[index], item, (*path, str(item[key])))
+            if merged is None:
+                out.pop(index)
+            else:
+                out[index] = merged
+    return out
+
+
+# What of the pod the operator and the engine rely on, and why, for the refusal messages.
+_ENFORCED_CONTAINER_FIELDS = {
+    "command": "it starts the launcher, which enforces the profile",
+    "args": "the launcher takes its settings from the engine config, not from arguments",
+    "startupProbe": "the health shim's probes are how the operator knows the engine state",
+    "livenessProbe": "the health shim's probes are how the operator knows the engine state",
+    "readinessProbe": "readiness is the shim's one-token generation",
+}
+
+
+# The volumes whose content the engine reads (its config, the operator's token, the weights, the API key);
+# the scratch ones (cache, tmp, dshm) a patch may resize.
+_READ_VOLUMES = frozenset({"config", "control", "model", "auth"})
+
+
+def _list(obj: dict[str, Any], key: str) -> list[Any]:
+    value = obj.get(key)
+    return value if isinstance(value, list) else []
+
+
+def _dict(obj: dict[str, Any], key: str) -> dict[str, Any]:
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
+    """Put the enforced parts of `base` back into `patched` (in place); one line per part the patch changed."""
+    problems: list[str] = []
+    where = "spec.podTemplatePatch"
+    meta = patched.setdefault("metadata", {})
+    for field in ("labels", "annotations"):
+        values = meta.get(field) if isinstance(meta.get(field), dict) else None
+        if values is None:
+            values = meta[field] = {}
+        for key, value in base["metadata"][field].items():
+            if values.get(key) != value:
+                problems.append(f"{where} changes the pod {field[:-1]} {key}, which the operator selects and rolls "
+                                "pods by; remove it from the patch")
+                values[key] = value
+
+    spec = patched.setdefault("spec", {})
+    base_spec = base["spec"]
+    containers = spec.get("containers") if isinstance(spec.get("containers"), list) else None
+    if containers is None:
+        containers = spec["containers"] = []
+    base_engine = base_spec["containers"][0]
+    engine = next((c for c in containers if isinstance(c, dict) and c.get("name") == base_engine["name"]), None)
+    if engine is None:
+        problems.append(f"{where} removes the engine container; remove that from the patch")
+        engine = copy.deepcopy(base_engine)
+        containers.insert(0, engine)
+    for field, why in _ENFORCED_CONTAINER_FIELDS.items():
+        if engine.get(field) != base_engine.get(field):
+            problems.append(f"{where} changes the engine container's {field}: {why}; remove it from the patch")
+            if field in base_engine:
+                engine[field] = copy.deepcopy(base_engine[field])
+            else:
+                engine.pop(field, None)
+
+    ports = _list(engine, "ports")
+    for port in base_engine["ports"]:
+        same = [p for p in ports if isinstance(p, dict) and (p.get("containerPort") == port["containerPort"]
+                                                               or p.get("name") == port["name"])]
+        if same != [port]:
+            problems.append(f"{where} changes the engine container's port {port['name']} ({port['containerPort']}): "
+                            "the Service and the operator reach the engine and the shim there; "
+                            "remove it from the patch")
+            ports = [p for p in ports if p not in same]
+            ports.append(copy.deepcopy(port))
+    engine["ports"] = sorted(ports, key=lambda p: (p not in base_engine["ports"], str(p.get("containerPort"))))
+
+    mounts = _list(engine, "volumeMounts")
+    paths = [m.get("mountPath") for m in mounts if isinstance(m, dict)]
+    for path in sorted({p for p in paths if paths.count(p) > 1}, key=str):
+        problems.append(f"{where} mounts two volumes at {path}; keep one")
+    for mount in base_engine["volumeMounts"]:
+        at = [m for m in mounts if isinstance(m, dict) and m.get("mountPath") == mount["mountPath"]]
+        if at != [mount]:
+            problems.append(f"{where} changes the engine container's mount at {mount['mountPath']} "
+                            f"(volume {mount['name']}), which the engine reads; remove it from the patch")
+            mounts = [m for m in mounts if m not in at]
+            mounts.append(copy.deepcopy(mount))
+    engine["volumeMounts"] = mounts
+
+    resources = _dict(engine, "resources")
+    for part in ("limits", "requests"):
+        for resource, amount in (base_engine["resources"].get(part) or {}).items():
+            if resource.startswith("nvidia.com/") and str((resources.get(part) or {}).get(resource)) != str(amount):
+                problems.append(f"{where} changes the engine container's {part}[{resource}]: the profile runs each "
+                                f"engine on exactly {amount}; remove it from the patch")
+                resources.setdefault(part, {})[resource] = amount
+    engine["resources"] = resources
+
+    volumes = _list(spec, "volumes")
+    for volume in base_spec["volumes"]:
+        if volume["name"] not in _READ_VOLUMES:
+            continue
+        same = [v for v in volumes if isinstance(v, dict) and v.get("name") == volume["name"]]
+        if same != [volume]:
+            problems.append(f"{where} changes the volume {volume['name']}, which the engine reads; "
+                            "remove it from the patch")
+            volumes = [v for v in volumes if v not in same]
+            volumes.append(copy.deepcopy(volume))
+    spec["volumes"] = volumes
+
+    gates = _list(spec, "readinessGates")
+    for gate in base_spec["readinessGates"]:
+        if gate not in gates:
+            problems.append(f"{where} drops the readiness gate {gate['conditionType']}: a pod takes traffic only "
+                            "after its prewarm; remove it from the patch")
+            gates = [*gates, gate]
+    spec["readinessGates"] = gates
+
+    selector = _dict(spec, "nodeSelector")
+    for key, value in (base_spec.get("nodeSelector") or {}).items():
+        if selector.get(key) != value and key.startswith("nvidia.com/"):
+            problems.append(f"{where} changes nodeSelector[{key}]: the profile runs only where it is {value!r}; "
+                            "remove it from the patch")
+            selector[key] = value
+    if selector:
+        spec["nodeSelector"] = selector
+    # A replaced toleration list (as a strategic merge replaces it) keeps the profile's GPU toleration.
+    tolerations = _list(spec, "tolerations")
+    for toleration in base_spec.get("tolerations") or []:
+        if toleration not in tolerations:
+            tolerations = [toleration, *tolerations]
+    if tolerations:
+        spec["tolerations"] = tolerations
+    return problems

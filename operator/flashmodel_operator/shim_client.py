@@ -49,10 +49,14 @@ def parse_metrics(text: str) -> EngineMetrics:
 class ShimClient:
     """HTTP calls to one pod's shim at http://<pod IP>:8081."""
 
-    def __init__(self, session: aiohttp.ClientSession, pod_ip: str, port: int = SHIM_PORT) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, pod_ip: str, port: int = SHIM_PORT, token: str | None = None
+    ) -> None:
         self.session = session
         self.pod_ip = pod_ip
         self.base = f"http://{pod_ip}:{port}"
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        """The model's control token: the shim runs a prewarm only for the operator."""
 
     async def _status(self, path: str, timeout: float) -> int:
         try:
@@ -78,7 +82,7 @@ class ShimClient:
             body["prompts"] = prompts
         try:
             async with self.session.post(
-                self.base + "/prewarm", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+                self.base + "/prewarm", json=body, headers=self.headers, timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -89,6 +93,8 @@ class ShimClient:
             return {"ok": False, "error": f"prewarm answered HTTP {resp.status} with non-JSON: {text[:200]}"}
         if resp.status != 200:
             result.setdefault("ok", False)
+            result.setdefault("error", result.get("reason") or f"prewarm answered HTTP {resp.status}")
+        result["status"] = resp.status
         return result
 
     async def metrics(self) -> EngineMetrics | None:

@@ -123,8 +123,12 @@ class LaunchedEngine:
         return http("GET", self.shim + path, timeout=timeout)
 
     def post(self, path: str, body: bytes | None = None, timeout: float = 120) -> Reply:
-        return http("POST", self.shim + path, body=body, timeout=timeout,
-                    headers={"Content-Type": "application/json"})
+        """POST to the shim as the operator does: with the control token when the config names one."""
+        headers = {"Content-Type": "application/json"}
+        token_file = self.config["server"].get("controlTokenFile")
+        if token_file:
+            headers["Authorization"] = "Bearer " + Path(token_file).read_text().strip()
+        return http("POST", self.shim + path, body=body, timeout=timeout, headers=headers)
 
     def metrics(self) -> str:
         return self.get("/metrics").text

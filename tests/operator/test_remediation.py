@@ -99,3 +99,21 @@ def test_hung_pod_goes_before_diverged_pod() -> None:
 def test_disabled_remediation_never_acts() -> None:
     spec = RemediationSpec(enabled=False)
     assert decide([pod("a", hung_for=9999)], budget(), spec, NOW) is None
+
+
+def _unprewarmed(name: str) -> PodHealth:
+    return PodHealth(name=name, prewarmed=False, livez_ok=False, divergence_recommended=False, divergence_ratio=0.0,
+                     divergent_since=None, readyz_failing_since=None, prewarm_failure="3 prewarms failed: 502")
+
+
+def test_a_pod_whose_prewarm_keeps_failing_takes_the_same_budget() -> None:
+    # Seen: such pods evicted 10 times in 3 minutes with maxRestartsPerHour 1, two at a time.
+    one = RemediationSpec(max_restarts_per_hour=1)
+    first = decide([_unprewarmed("a"), _unprewarmed("b")], budget(), one, NOW)
+    assert first is not None and (first.action, first.reason) == ("evict", "PrewarmFailed")
+    spent = decide([_unprewarmed("b")], budget(restarts_last_hour=1), one, NOW)
+    assert spent is not None and (spent.action, spent.reason) == ("hold", "RestartBudgetExhausted")
+    busy = decide([_unprewarmed("a"), _unprewarmed("b")], budget(in_flight="a"), one, NOW)
+    assert busy is not None and (busy.action, busy.reason) == ("hold", "RemediationInProgress")
+    soon = decide([_unprewarmed("b")], budget(seconds_since_last=1.0), SPEC, NOW)
+    assert soon is not None and (soon.action, soon.reason) == ("hold", "BackingOff")

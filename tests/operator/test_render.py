@@ -14,8 +14,10 @@ from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     PREWARM_GATE,
     engine_config,
-    merge_patch,
+    pod_template_problems,
     render_children,
+    render_pod_template,
+    strategic_merge,
 )
 
 from tests.operator.specs import ALL, CPU_HUB, FULL_T4, MINIMAL_T4
@@ -99,14 +101,132 @@ def test_engine_config_carries_auth_file_and_model_path() -> None:
     assert args[args.index("--block-size") + 1] == "16" and args[args.index("--dtype") + 1] == "float16"
 
 
-def test_merge_patch_merges_named_lists_and_deletes_nulls() -> None:
-    base = {"a": {"b": 1, "c": 2}, "containers": [{"name": "x", "image": "1"}], "args": ["p"]}
-    patch = {"a": {"c": None}, "containers": [{"name": "x", "image": "2"}, {"name": "y"}], "args": ["q"]}
-    assert merge_patch(base, patch) == {
-        "a": {"b": 1},
-        "containers": [{"name": "x", "image": "2"}, {"name": "y"}],
-        "args": ["q"],
+def test_strategic_merge_follows_each_lists_merge_key() -> None:
+    base = {
+        "metadata": {"labels": {"a": "1"}},
+        "spec": {
+            "containers": [{"name": "engine", "image": "1", "args": ["p"],
+                            "env": [{"name": "A", "value": "1"}],
+                            "volumeMounts": [{"name": "model", "mountPath": "/models"}],
+                            "ports": [{"name": "http", "containerPort": 8000}]}],
+            "tolerations": [{"key": "gpu"}],
+        },
     }
+    patch = {
+        "metadata": {"labels": {"a": None}},
+        "spec": {
+            "containers": [{"name": "engine", "image": "2", "args": ["q"],
+                            "env": [{"name": "B", "value": "2"}, {"name": "A", "$patch": "delete"}],
+                            # volumeMounts merge on mountPath, not name: this one replaces the mount at /models
+                            "volumeMounts": [{"name": "other", "mountPath": "/models"},
+                                             {"name": "model", "mountPath": "/extra"}],
+                            "ports": [{"name": "metrics", "containerPort": 9000}]},
+                           {"name": "sidecar"}],
+            "tolerations": [{"key": "spot"}],
+        },
+    }
+    assert strategic_merge(base, patch) == {
+        "metadata": {"labels": {}},
+        "spec": {
+            "containers": [{"name": "engine", "image": "2", "args": ["q"],
+                            "env": [{"name": "B", "value": "2"}],
+                            "volumeMounts": [{"name": "other", "mountPath": "/models"},
+                                             {"name": "model", "mountPath": "/extra"}],
+                            "ports": [{"name": "http", "containerPort": 8000},
+                                      {"name": "metrics", "containerPort": 9000}]},
+                           {"name": "sidecar"}],
+            # tolerations have no merge key in Kubernetes: the patch's list replaces the old one
+            "tolerations": [{"key": "spot"}],
+        },
+    }
+    replaced = strategic_merge({"spec": {"volumes": [{"name": "a"}]}},
+                               {"spec": {"volumes": [{"$patch": "replace"}, {"name": "b"}]}})
+    assert replaced == {"spec": {"volumes": [{"name": "b"}]}}
+
+
+def _with_patch(patch: dict[str, Any], **spec: Any) -> FlashModel:
+    return FlashModel.from_body({**FULL_T4, "spec": {**FULL_T4["spec"], "podTemplatePatch": patch, **spec}})
+
+
+def _engine(template: dict[str, Any]) -> dict[str, Any]:
+    engine: dict[str, Any] = next(c for c in template["spec"]["containers"] if c["name"] == "engine")
+    return engine
+
+
+# (patch, what the refusal names): each seen, or possible, with the home-made merge.
+ENFORCED_PATCHES: list[tuple[dict[str, Any], str]] = [
+    ({"spec": {"containers": [{"name": "engine", "command": ["sh", "-c", "vllm serve --max-model-len 9999"]}]}},
+     "changes the engine container's command"),
+    ({"spec": {"containers": [{"name": "engine", "args": ["--max-model-len", "9999"]}]}},
+     "changes the engine container's args"),
+    ({"spec": {"readinessGates": []}}, "drops the readiness gate serving.flashmodel.io/prewarmed"),
+    ({"spec": {"readinessGates": None}}, "drops the readiness gate serving.flashmodel.io/prewarmed"),
+    ({"spec": {"containers": [{"name": "engine", "ports": [{"name": "health", "containerPort": 9999}]}]}},
+     "changes the engine container's port health (8081)"),
+    ({"spec": {"containers": [{"name": "engine", "ports": [{"$patch": "replace"}]}]}},
+     "changes the engine container's port http (8000)"),
+    ({"spec": {"containers": [{"name": "engine", "volumeMounts": [{"name": "mine", "mountPath": "/model-image"}]}]}},
+     "changes the engine container's mount at /model-image"),
+    ({"spec": {"containers": [{"name": "engine", "readinessProbe": {"tcpSocket": {"port": 8000}}}]}},
+     "changes the engine container's readinessProbe"),
+    ({"spec": {"containers": [{"name": "engine", "$patch": "delete"}]}}, "removes the engine container"),
+    ({"spec": {"containers": [{"name": "engine", "resources": {"limits": {"nvidia.com/gpu": 0}}}]}},
+     "changes the engine container's limits[nvidia.com/gpu]"),
+    ({"spec": {"nodeSelector": {"nvidia.com/gpu.product": "A100"}}}, "changes nodeSelector[nvidia.com/gpu.product]"),
+    ({"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}, "changes the volume config"),
+    ({"metadata": {"labels": {"app.kubernetes.io/instance": "x"}}}, "changes the pod label app.kubernetes.io/instance"),
+    ({"spec": {"$retainKeys": ["containers"]}}, "the directive $retainKeys is not supported"),
+]
+
+
+@pytest.mark.parametrize(("patch", "problem"), ENFORCED_PATCHES, ids=[p[1] for p in ENFORCED_PATCHES])
+def test_a_patch_cannot_change_the_enforced_pod(patch: dict[str, Any], problem: str) -> None:
+    fm = _with_patch(patch)
+    problems = pod_template_problems(fm)
+    assert any(problem in p for p in problems), problems
+    # Whatever the patch said, the rendered pod holds what the operator and the engine rely on.
+    template, clean = render_pod_template(fm), render_pod_template(_with_patch({}))
+    engine, want = _engine(template), _engine(clean)
+    for field in ("command", "startupProbe", "livenessProbe", "readinessProbe"):
+        assert engine[field] == want[field]
+    assert "args" not in engine
+    assert [p for p in engine["ports"] if p in want["ports"]] == want["ports"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"conditionType": PREWARM_GATE} in template["spec"]["readinessGates"]
+    assert template["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "Tesla-T4"
+    paths = [m["mountPath"] for m in engine["volumeMounts"]]
+    assert len(paths) == len(set(paths))
+    assert all(m in engine["volumeMounts"] for m in want["volumeMounts"])
+
+
+def test_a_patch_that_adds_beside_the_enforced_pod_is_accepted() -> None:
+    patch = {"spec": {"priorityClassName": "inference", "tolerations": [{"key": "spot", "operator": "Exists"}],
+                      "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}],
+                                      "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+                                      "ports": [{"name": "debug", "containerPort": 9000}]},
+                                     {"name": "sidecar", "image": "busybox"}],
+                      "volumes": [{"name": "extra", "emptyDir": {}}]}}
+    fm = _with_patch(patch)
+    assert pod_template_problems(fm) == []
+    template = render_pod_template(fm)
+    engine = _engine(template)
+    assert [p["containerPort"] for p in engine["ports"]] == [8000, 8081, 9000]
+    assert [m["mountPath"] for m in engine["volumeMounts"]].count("/extra") == 1
+    # tolerations are replaced by the patch, and the profile's GPU toleration is put back
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in template["spec"]["tolerations"]
+    assert {"key": "spot", "operator": "Exists"} in template["spec"]["tolerations"]
+
+
+def test_resources_and_node_selector_cannot_undo_the_t4_profile() -> None:
+    fm = _with_patch({}, resources={"limits": {"nvidia.com/gpu": 0}},
+                     nodeSelector={"nvidia.com/gpu.product": "NVIDIA-A100", "pool": "x"})
+    problems = pod_template_problems(fm)
+    assert any("spec.resources.limits[nvidia.com/gpu] is 0; the t4 profile runs each engine on exactly 1" in p
+               for p in problems), problems
+    assert any("spec.nodeSelector[nvidia.com/gpu.product] is 'NVIDIA-A100'" in p for p in problems), problems
+    pod = render_pod_template(fm)["spec"]
+    assert _engine({"spec": pod})["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4", "pool": "x"}
 
 
 def test_two_sources_are_refused() -> None:

@@ -1,0 +1,39 @@
+"""Ready means ready and prewarmed as the operator saw it, not as any writer of the gate says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashmodel_operator.conditions import Observation, build_conditions
+from flashmodel_operator.gating import gate_is_true
+from flashmodel_operator.render import PREWARM_GATE
+
+
+def _pod(reason: str | None) -> dict[str, Any]:
+    condition = {"type": PREWARM_GATE, "status": "True"}
+    if reason is not None:
+        condition["reason"] = reason
+    return {"status": {"conditions": [condition]}}
+
+
+def test_only_a_gate_the_operator_opened_counts_as_prewarmed() -> None:
+    # kwok sets every readiness gate of the pods it runs True: seen as "1/1 pods ready and prewarmed"
+    # with no engine anywhere.
+    assert not gate_is_true(_pod(None))
+    assert not gate_is_true(_pod("PodReady"))
+    assert gate_is_true(_pod("PrewarmSucceeded"))
+    assert gate_is_true(_pod("PrewarmDisabled"))
+
+
+def _ready(obs: Observation) -> dict[str, Any]:
+    return next(c for c in build_conditions(obs, [], "2026-01-01T00:00:00Z") if c["type"] == "Ready")
+
+
+def test_pods_ready_but_not_seen_prewarmed_are_not_ready() -> None:
+    common = {"generation": 1, "desired_replicas": 1, "replicas": 1, "ready_replicas": 1, "updated_replicas": 1,
+              "deployment_generation_observed": True}
+    ready = _ready(Observation(**common, prewarmed_replicas=0))  # type: ignore[arg-type]
+    assert (ready["status"], ready["reason"]) == ("False", "NotPrewarmed")
+    assert "0 prewarmed by the operator" in ready["message"]
+    ready = _ready(Observation(**common, prewarmed_replicas=1))  # type: ignore[arg-type]
+    assert (ready["status"], ready["reason"]) == ("True", "AllReplicasReady")
