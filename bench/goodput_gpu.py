@@ -156,19 +156,7 @@ def envelope_args(model: Path) -> tuple[list[str], dict[str, int]]:
 
 
 def server_argv(case: GCase, model: Path, port: int, env: slo_gpu.Env) -> tuple[list[str], dict[str, Any]]:
-    argv = [
-        env.python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "m",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    argv = slo_gpu.vllm_server_argv(env.python, model, port)
     if env.smoke:
         return argv + case.args, {}
     cap, memory = envelope_args(model)
@@ -404,36 +392,28 @@ def cross_verdict(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
 def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
-    at = _get(r, "search", "at_max") or {}
+    at = slo_gpu._get(r, "search", "at_max") or {}
     return {
         "case": name,
         "shape": r.get("shape"),
         "profile": r.get("profile"),
-        "goodput_rps": _get(r, "search", "max_rate_rps"),
-        "first_failing_rps": _get(r, "search", "first_failing_rps"),
-        "ttft_only_max_rps": _get(r, "search", "ttft_only_max_rps"),
+        "goodput_rps": slo_gpu._get(r, "search", "max_rate_rps"),
+        "first_failing_rps": slo_gpu._get(r, "search", "first_failing_rps"),
+        "ttft_only_max_rps": slo_gpu._get(r, "search", "ttft_only_max_rps"),
         "ttft_p99_ms": at.get("ttft_p99_ms"),
         "tpot_p99_ms": at.get("tpot_p99_ms"),
         "e2e_p50_ms": at.get("e2e_p50_ms"),
         "e2e_p99_ms": at.get("e2e_p99_ms"),
-        "tpot_p50_c1_ms": _get(r, "next10", "summary", "tpot_p50_ms"),
-        "tpot_p50_c8_ms": _get(r, "closed_c8", "tpot_p50_ms"),
-        "tpot_p50_c32_ms": _get(r, "closed_c32", "tpot_p50_ms"),
-        "rps_c8": _get(r, "closed_c8", "achieved_rps"),
-        "rps_c32": _get(r, "closed_c32", "achieved_rps"),
-        "first_ttft_ms": (_get(r, "first10", "ttft_ms") or [None])[0],
+        "tpot_p50_c1_ms": slo_gpu._get(r, "next10", "summary", "tpot_p50_ms"),
+        "tpot_p50_c8_ms": slo_gpu._get(r, "closed_c8", "tpot_p50_ms"),
+        "tpot_p50_c32_ms": slo_gpu._get(r, "closed_c32", "tpot_p50_ms"),
+        "rps_c8": slo_gpu._get(r, "closed_c8", "achieved_rps"),
+        "rps_c32": slo_gpu._get(r, "closed_c32", "achieved_rps"),
+        "first_ttft_ms": (slo_gpu._get(r, "first10", "ttft_ms") or [None])[0],
         "startup_s": r.get("startup_s"),
         "gpu_mib": r.get("process_gpu_mib"),
-        "graph_gib": _get(r, "log_facts", "graph_pool_gib"),
+        "graph_gib": slo_gpu._get(r, "log_facts", "graph_pool_gib"),
     }
 
 
@@ -504,7 +484,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"{e['ratio']:g} (between {e['ratio_low']} and {e['ratio_high']}); "
             f"TPOT p50 c=1 ratio {e['tpot_c1_ratio']}"
         )
-    for v in _get(results, "cross_check", "verdict") or []:
+    for v in slo_gpu._get(results, "cross_check", "verdict") or []:
         lines.append(
             f"cross-check c={v['concurrency']} {v['metric']}: loadgen {v['loadgen']} vs vllm bench "
             f"{v['vllm_bench']} = {v['ratio']} ({'agree' if v['agree'] else 'DISAGREE'} within 10%); "

@@ -207,6 +207,23 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
+def vllm_server_argv(python: str, model: Path, port: int) -> list[str]:
+    """vLLM's OpenAI server for `model` as "m" on a loopback port, before any case's flags."""
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
 def http_ok(url: str, timeout: float = 3.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -506,20 +523,7 @@ def run_case(case: Case, env: Env) -> dict[str, Any]:
         base_env["FLASHMODEL_TERMINATION_LOG"] = str(env.work / f"termination-{case.name}.log")
         argv = [env.python, "-m", "flashmodel_engine", "launch", "--config", str(cfg)]
     else:
-        argv = [
-            env.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            "m",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(env.port),
-            *case.args,
-        ]
+        argv = [*vllm_server_argv(env.python, model, env.port), *case.args]
     result["argv"] = argv[1:]
     log("case_start", case=case.name, left_s=round(env.left()), argv=" ".join(argv[1:]))
     server = Server(argv, base_env, env.work / f"server-{case.name}.log")
