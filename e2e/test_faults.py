@@ -117,3 +117,8 @@ def test_thirty_models_converge_within_twice_the_clean_time_under_ten_percent_fa
     assert injected >= 20, f"the proxy injected only {injected} faults in {requests} requests"
     assert faulty <= 2 * clean, f"under {FAULT_RATE:.0%} faults convergence took {faulty:.1f}s, clean {clean:.1f}s"
     assert not degraded.seen, f"healthy models reported Degraded: {sorted(set(degraded.seen))[:10]}"
+    # The operator's own writes went through the proxy too (events are POSTs without a patch type).
+    applied = control_plane.kubectl(
+        "get", "events", "-n", faulty_ns, "--field-selector", "reason=Applied", "-o", "name"
+    )
+    assert applied.stdout.strip(), "no Applied event reached the API server through the proxy"
