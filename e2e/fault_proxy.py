@@ -122,8 +122,12 @@ class FaultProxy:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
         body = await request.read()
+        # Forward exactly the headers sent: aiohttp would otherwise add Content-Type
+        # application/octet-stream to a body that came without one, which the API server refuses (415).
+        skip = [] if "Content-Type" in request.headers else ["Content-Type"]
         async with self._session.request(
-            request.method, self.upstream + request.path_qs, headers=headers, data=body or None
+            request.method, self.upstream + request.path_qs, headers=headers, data=body or None,
+            skip_auto_headers=skip,
         ) as upstream:
             response = web.StreamResponse(
                 status=upstream.status,

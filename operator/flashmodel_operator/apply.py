@@ -133,8 +133,8 @@ class Cluster:
         `retry_throttled=False` returns a 429 at once: for an eviction it means a budget said no.
         """
         headers = {"Accept": "application/json"}
-        if content_type:
-            headers["Content-Type"] = content_type
+        if content_type or body is not None:
+            headers["Content-Type"] = content_type or "application/json"
         if method != "GET":
             with self._lock:
                 self.writes += 1
