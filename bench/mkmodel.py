@@ -99,7 +99,8 @@ def write_tokenizer(out: str, size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment,unused-ignore]
     tok.decoder = decoders.ByteLevel()  # type: ignore[assignment,unused-ignore]
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
+    fast = tokenizer_cls(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 4096
     fast.save_pretrained(out)
@@ -119,7 +120,7 @@ def qwen2_config(shape: str) -> Any:
     """The transformers Qwen2Config of a shape (7b unties lm_head from the embeddings, as Qwen2.5-7B does)."""
     from transformers import Qwen2Config
 
-    dims = {k: v for k, v in SHAPES[shape].items() if k != "vocab"}
+    dims: dict[str, Any] = {k: v for k, v in SHAPES[shape].items() if k != "vocab"}
     size = vocab_size(shape)
     return Qwen2Config(
         vocab_size=size,
@@ -141,11 +142,12 @@ def build(out: str, shape: str) -> str:
     import torch
     from transformers import Qwen2ForCausalLM
 
+    model_cls: Any = Qwen2ForCausalLM  # untyped in transformers
     write_tokenizer(out, vocab_size(shape))
     cfg = qwen2_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(cfg).to(torch.float16)
+        model = model_cls(cfg).to(torch.float16)
     model.save_pretrained(out)
     make_readable(out)
     params = sum(p.numel() for p in model.parameters())
