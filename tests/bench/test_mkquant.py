@@ -128,6 +128,8 @@ def test_only_decoder_linears_are_quantized(checkpoints: dict[str, tuple[Path, s
     gate = "model.layers.0.mlp.gate_proj"  # Linear(128 -> 256)
     if method == "awq":
         assert tensors[f"{gate}.qweight"].shape == (128, 256 // 8)
+        zeros = unpack_int4(tensors[f"{gate}.qzeros"], 1, AWQ_ORDER)
+        assert set(zeros.flatten().tolist()) == {7, 8}  # mid-range zero points, both drawn
     else:
         assert tensors[f"{gate}.qweight"].shape == (128 // 8, 256)
         assert torch.equal(tensors[f"{gate}.g_idx"], torch.arange(128, dtype=torch.int32) // GROUP_SIZE)
