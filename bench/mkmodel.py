@@ -89,23 +89,40 @@ def vocabulary(size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def build(out: str, shape: str) -> str:
-    import torch
+def write_tokenizer(out: str, size: int) -> None:
+    """The byte-level BPE tokenizer of a `size`-token vocabulary, with the chat template, into `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
-    dims = dict(SHAPES[shape])
-    size = dims.pop("vocab", 151936)
     vocab, merges = vocabulary(size)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment,unused-ignore]
     tok.decoder = decoders.ByteLevel()  # type: ignore[assignment,unused-ignore]
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
+    fast = tokenizer_cls(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 4096
     fast.save_pretrained(out)
-    cfg: Any = Qwen2Config(
+    # vocab.json + merges.txt too: a Qwen2Tokenizer that rebuilds itself from them gets the same BPE.
+    with open(os.path.join(out, "vocab.json"), "w") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(out, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
+def vocab_size(shape: str) -> int:
+    """Qwen2.5's 151936 tokens, except the tiny shape's own small vocabulary."""
+    return SHAPES[shape].get("vocab", 151936)
+
+
+def qwen2_config(shape: str) -> Any:
+    """The transformers Qwen2Config of a shape (7b unties lm_head from the embeddings, as Qwen2.5-7B does)."""
+    from transformers import Qwen2Config
+
+    dims: dict[str, Any] = {k: v for k, v in SHAPES[shape].items() if k != "vocab"}
+    size = vocab_size(shape)
+    return Qwen2Config(
         vocab_size=size,
         max_position_embeddings=4096,
         tie_word_embeddings=shape != "7b",
@@ -113,17 +130,26 @@ def build(out: str, shape: str) -> str:
         bos_token_id=size - 3,
         **dims,
     )
+
+
+def make_readable(out: str) -> None:
+    """save_pretrained leaves some files 0600; the engine may be another uid."""
+    for name in os.listdir(out):
+        os.chmod(os.path.join(out, name), 0o644)
+
+
+def build(out: str, shape: str) -> str:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model_cls: Any = Qwen2ForCausalLM  # untyped in transformers
+    write_tokenizer(out, vocab_size(shape))
+    cfg = qwen2_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(cfg).to(torch.float16)
+        model = model_cls(cfg).to(torch.float16)
     model.save_pretrained(out)
-    # vocab.json + merges.txt too: a Qwen2Tokenizer that rebuilds itself from them gets the same BPE.
-    with open(os.path.join(out, "vocab.json"), "w") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(os.path.join(out, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    for name in os.listdir(out):  # save_pretrained leaves some files 0600; the engine may be another uid
-        os.chmod(os.path.join(out, name), 0o644)
+    make_readable(out)
     params = sum(p.numel() for p in model.parameters())
     return f"event=model_built shape={shape} params={params} path={out}"
 
