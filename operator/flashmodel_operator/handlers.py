@@ -101,21 +101,30 @@ def resync(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
 
 
-@kopf.index(GROUP, VERSION, PLURAL)
-def auth_secret_refs(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str] | None:
-    """(namespace, Secret name) -> the FlashModels whose spec.auth names that Secret."""
-    secret = ((spec.get("auth") or {}).get("apiKeySecretRef") or {}).get("name")
-    return {(namespace, str(secret)): name} if namespace and secret else None
+AUTH_WAIT_SECONDS = 2.0
+"""How often a model held for its missing API-key Secret looks for it."""
 
 
-@kopf.on.event("", "v1", "secrets")
-def on_auth_secret(namespace: str | None, name: str, **kwargs: Any) -> None:
-    # A model waiting for its key (no Deployment until it exists) goes on as soon as it is created,
-    # not at the next resync; a changed or deleted key is reconciled at once too.
-    refs: kopf.Index[tuple[str, str], str] = kwargs["auth_secret_refs"]
-    for model in sorted(set(refs.get((namespace or "", name), []))):
-        log.info("event=auth-secret-changed model=%s/%s secret=%s", namespace, model, name)
-        _reconcile_latest(namespace, model)
+def _waiting_for_auth_secret(status: kopf.Status, **_: Any) -> bool:
+    return any(
+        c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") == "AuthSecretNotFound"
+        for c in status.get("conditions") or []
+    )
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTH_WAIT_SECONDS, when=_waiting_for_auth_secret,
+            backoff=HANDLER_BACKOFF_SECONDS)
+def wait_for_auth_secret(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> None:
+    # A model waiting for its key (no Deployment until it exists) goes on within seconds of its
+    # creation, not at the next resync. One GET by name while it waits: a watch would need list and
+    # watch on every Secret of the cluster, and would hold all their contents in this process.
+    ref = (spec.get("auth") or {}).get("apiKeySecretRef") or {}
+    if namespace is None or not ref.get("name"):
+        return
+    secret = cluster().get("v1", "Secret", namespace, str(ref["name"]))
+    if secret is not None and str(ref.get("key") or "api-key") in (secret.get("data") or {}):
+        log.info("event=auth-secret-arrived model=%s/%s secret=%s", namespace, name, ref["name"])
+        _reconcile_latest(namespace, name)
 
 
 def _owner_name(body: kopf.Body) -> str | None:

@@ -201,7 +201,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     children = render_children(fm, replicas=0 if held else None)
     if secret_missing:
         # A pod without its key would serve without authentication or crash-loop on the missing mount;
-        # the Secret's arrival triggers a pass at once (handlers.on_auth_secret).
+        # the Secret's arrival triggers a pass within seconds (handlers.wait_for_auth_secret).
         children = [c for c in children if c["kind"] != "Deployment"]
     for child in children:
         try:

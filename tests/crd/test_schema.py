@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from flashmodel_engine.profiles import ENFORCED_FLAGS
+from flashmodel_engine.profiles import ENFORCED_FLAGS, MEMORY_PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "flashmodel.yaml"
@@ -102,13 +102,16 @@ def _extra_args_rules() -> list[dict[str, str]]:
     return rules
 
 
-@pytest.mark.parametrize("flag", [*sorted(ENFORCED_FLAGS), "--no-enforce-eager", "--config"])
+@pytest.mark.parametrize(
+    "flag", [*sorted(ENFORCED_FLAGS), *sorted(MEMORY_PLAN_FLAGS), "--no-enforce-eager", "--config"]
+)
 def test_every_enforced_engine_flag_has_a_cel_rule(flag: str) -> None:
-    # The engine refuses these at launch; the API server must refuse them first, naming the field.
-    rules = [r for r in _extra_args_rules() if f"'{flag}='" in r["rule"]]
+    # The engine refuses these at launch; the API server must refuse them first (and every prefix of
+    # them, as vLLM's parser reads one), with a message that names the flag.
+    rules = [r for r in _extra_args_rules() if f"'{flag}'" in r["rule"] and ".startsWith(a.split('=')" in r["rule"]]
     assert len(rules) == 1, f"no CEL rule for {flag}"
-    canonical = "--enforce-eager" if flag == "--no-enforce-eager" else flag
-    assert f"must not set {canonical}," in rules[0]["message"]
+    message = " ".join(rules[0]["message"].split())
+    assert message.startswith("extraArgs must not set") and (flag in message or flag in MEMORY_PLAN_FLAGS)
 
 
 def _closed(node: dict[str, Any]) -> dict[str, Any]:
