@@ -1,0 +1,97 @@
+"""An operator killed (SIGKILL) midway through 50 new FlashModels, then started again, converges with
+no duplicate and no orphaned child.
+
+On a control plane of its own: the session's operator watches every namespace of the shared one,
+and two operators there would both reconcile these models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e import cluster
+from e2e.cluster import ControlPlane
+from e2e.operator_run import ROOT, running_operator
+
+# No control_plane fixture here (conftest marks by it): a control plane of its own is e2e all the same.
+pytestmark = pytest.mark.e2e
+
+MODELS = 50
+CHILD_KINDS = ("configmaps", "services", "deployments", "poddisruptionbudgets")
+
+
+def _items(cp: ControlPlane, kind: str, ns: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = json.loads(cp.kubectl("get", kind, "-n", ns, "-o", "json").stdout)["items"]
+    return items
+
+
+def _owner(obj: dict[str, Any]) -> str | None:
+    refs = [r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") == "FlashModel"]
+    return refs[0]["name"] if len(refs) == 1 else None
+
+
+def _deployed(cp: ControlPlane, ns: str) -> int:
+    return sum(1 for d in _items(cp, "deployments", ns) if _owner(d))
+
+
+def _converged(cp: ControlPlane, ns: str) -> bool:
+    models = _items(cp, "flashmodels", ns)
+    owned = {_owner(d) for d in _items(cp, "deployments", ns)}
+    return len(models) == MODELS and all(
+        (m.get("status") or {}).get("observedGeneration") == m["metadata"]["generation"]
+        and m["metadata"]["name"] in owned
+        for m in models
+    )
+
+
+def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_orphan(tmp_path: Path) -> None:
+    with ControlPlane(cluster.testbin_dir(build=True)) as cp:
+        cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
+        cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io", "--timeout=60s")
+        ns = cp.create_namespace("restart")
+        spec = {"model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}}
+        models = yaml.safe_dump_all(
+            {"apiVersion": "serving.flashmodel.io/v1alpha1", "kind": "FlashModel",
+             "metadata": {"name": f"m-{i:02d}"}, "spec": spec}
+            for i in range(MODELS)
+        )
+        first_log, second_log = tmp_path / "operator-1.log", tmp_path / "operator-2.log"
+        with running_operator(cp.kubeconfig, first_log) as first:
+            cp.kubectl("apply", "-n", ns, "-f", "-", input=models)
+            deadline = time.monotonic() + 120
+            while _deployed(cp, ns) < 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            # Killed, not stopped: no handler finishes, no progress annotation is written on the way out.
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        killed_at = _deployed(cp, ns)
+        assert 5 <= killed_at < MODELS, f"the kill came when {killed_at} of {MODELS} models had a Deployment"
+
+        started = time.monotonic()
+        with running_operator(cp.kubeconfig, second_log) as second:
+            while not _converged(cp, ns):
+                assert second.poll() is None, second_log.read_text()[-3000:]
+                assert time.monotonic() - started < 120, (
+                    f"{_deployed(cp, ns)} of {MODELS} models converged 120 s after the restart\n"
+                    + second_log.read_text()[-3000:]
+                )
+                time.sleep(0.25)
+            took = time.monotonic() - started
+            names = {m["metadata"]["name"] for m in _items(cp, "flashmodels", ns)}
+            for kind in CHILD_KINDS:
+                owners = Counter(_owner(obj) for obj in _items(cp, kind, ns) if obj["metadata"].get("ownerReferences"))
+                duplicates = {o: n for o, n in owners.items() if n > 1}
+                orphans = set(owners) - names
+                assert not duplicates, f"{kind}: more than one per model: {duplicates}"
+                assert not orphans, f"{kind} owned by no FlashModel: {orphans}"
+                assert set(owners) == names, f"{kind}: models without one: {sorted(names - set(owners))[:5]}"
+        print(f"killed with {killed_at}/{MODELS} deployed; converged {took:.1f}s after the restart")
