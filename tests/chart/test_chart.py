@@ -107,7 +107,7 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("", "pods/status"): {"patch"},
     ("", "pods/eviction"): {"create"},
     ("discovery.k8s.io", "endpointslices"): {"list"},
-    ("", "secrets"): {"get", "list", "watch", "create"},
+    ("", "secrets"): {"get", "create"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
