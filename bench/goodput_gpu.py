@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -61,7 +62,16 @@ ENVELOPE_HEADROOM_BYTES = 1 * GIB
 ENVELOPE_GPU_UTIL = "0.09"
 # Flags of the t4 profile the engine launcher renders that are not about serving speed here: the
 # model, name, address, drain and the card-fraction the envelope replaces.
-_NOT_COMPARED = {"--model", "--served-model-name", "--host", "--port", "--shutdown-timeout", "--gpu-memory-utilization"}
+# The envelope sets the attention backend (the same TRITON_ATTN for every case).
+_NOT_COMPARED = {
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--shutdown-timeout",
+    "--gpu-memory-utilization",
+    "--attention-backend",
+}
 CROSS_CONCURRENCY = (1, 8, 32)
 CROSS_ROUNDS = 3
 CROSS_TOLERANCE = 0.10
@@ -73,8 +83,6 @@ def log(event: str, **fields: object) -> None:
 
 def spread(mean: int, ratio: float) -> tuple[int, int]:
     """vllm bench serve's interval for a random length (vllm/benchmarks/datasets/utils.py)."""
-    import math
-
     return math.floor(mean * (1 - ratio)), math.ceil(mean * (1 + ratio))
 
 
@@ -160,15 +168,7 @@ def server_argv(case: GCase, model: Path, port: int, env: slo_gpu.Env) -> tuple[
     if env.smoke:
         return argv + case.args, {}
     cap, memory = envelope_args(model)
-    # The profile's own --attention-backend (the same TRITON_ATTN) is dropped for the envelope's.
-    own, i = [], 0
-    while i < len(case.args):
-        if case.args[i] == "--attention-backend":
-            i += 2
-            continue
-        own.append(case.args[i])
-        i += 1
-    return argv + own + cap, memory
+    return argv + case.args + cap, memory
 
 
 def process_memory_mib(pgid: int) -> int | None:
@@ -514,16 +514,7 @@ LOG_FACTS["async_scheduling"] = re.compile(r"Asynchronous scheduling is (\w+)")
 
 
 def log_facts(text: str) -> dict[str, Any]:
-    facts: dict[str, Any] = {}
-    for key, rx in LOG_FACTS.items():
-        m = rx.search(text)
-        if m:
-            raw = next(g for g in m.groups() if g)
-            try:
-                facts[key] = float(raw.replace(",", ""))
-            except ValueError:
-                facts[key] = raw
-    return facts
+    return slo_gpu.log_facts(text, LOG_FACTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,12 +596,10 @@ def main() -> int:
         d.mkdir(parents=True, exist_ok=True)
     loadgen.raise_fd_limit()
     cases = plan(a.smoke_cpu)
-    if a.only:
-        by_name = {c.name: c for c in cases}
-        unknown = [n for n in a.only.split(",") if n not in by_name]
-        if unknown:
-            p.error(f"--only names cases the plan lacks: {unknown} (it has {list(by_name)})")
-        cases = [by_name[n] for n in dict.fromkeys(a.only.split(","))]
+    try:
+        cases = slo_gpu.select_cases(cases, a.only, hint="")
+    except ValueError as e:
+        p.error(str(e))
     search_s = a.search_s or (30.0 if a.smoke_cpu else 100.0)
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

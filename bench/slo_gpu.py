@@ -34,7 +34,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of scripts, imported as a namespace package
@@ -285,13 +285,17 @@ LOG_FACTS = {
 }
 
 
-def log_facts(text: str) -> dict[str, Any]:
+def log_facts(text: str, table: dict[str, re.Pattern[str]] = LOG_FACTS) -> dict[str, Any]:
+    """The first match of each pattern in a server log: a number where it reads as one, else the text."""
     facts: dict[str, Any] = {}
-    for key, rx in LOG_FACTS.items():
+    for key, rx in table.items():
         m = rx.search(text)
         if m:
             raw = next(g for g in m.groups() if g)
-            facts[key] = raw if key == "attention_backend" else float(raw.replace(",", ""))
+            try:
+                facts[key] = float(raw.replace(",", ""))
+            except ValueError:
+                facts[key] = raw
     return facts
 
 
@@ -836,7 +840,17 @@ def plan(smoke: bool, tile: bool, shim: bool) -> list[Case]:
     return cases
 
 
-def select_cases(cases: list[Case], only: str) -> list[Case]:
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+C = TypeVar("C", bound=Named)
+
+CASE_HINT = "; tile-* needs --tile, *-launcher-* needs --shim"
+
+
+def select_cases(cases: list[C], only: str, hint: str = CASE_HINT) -> list[C]:
     """``--only``'s cases in the order given: the order is the priority when the budget runs out.
 
     A name the plan does not have is an error, not a case silently dropped (a missing ``--tile``
@@ -848,8 +862,7 @@ def select_cases(cases: list[Case], only: str) -> list[Case]:
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise ValueError(
-            f"--only names cases this plan does not have: {','.join(unknown)} "
-            f"(the plan has {','.join(by_name)}; tile-* needs --tile, *-launcher-* needs --shim)"
+            f"--only names cases this plan does not have: {','.join(unknown)} (the plan has {','.join(by_name)}{hint})"
         )
     return [by_name[n] for n in dict.fromkeys(names)]
 
