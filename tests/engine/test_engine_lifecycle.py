@@ -115,12 +115,15 @@ def test_sigterm_drains_in_flight_requests_then_exits_with_vllms_code(engine: La
                 body = {"model": "tiny", "prompt": "inspection ticket", "max_tokens": tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                 got = 0
+                streaming = False
                 async with s.post(engine.engine + "/v1/completions", json=body) as r:
                     async for raw in r.content:
                         line = raw.decode().strip()
                         if line.startswith("data: {"):
                             chunk = json.loads(line[6:])
-                            if chunk.get("choices") and got == 0:
+                            # Counted once per request: SIGTERM goes only when all 8 are generating.
+                            if chunk.get("choices") and not streaming:
+                                streaming = True
                                 begun += 1
                                 if begun == 8:
                                     started.set()
