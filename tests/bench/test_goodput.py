@@ -135,3 +135,37 @@ def test_tpot_spans_first_to_last_token_not_the_stream_trailer() -> None:
     assert r.tpot_s == pytest.approx(0.04)
     r.last_token_s = None  # a result without it (older files) falls back to the end of the stream
     assert r.tpot_s == pytest.approx(0.05)
+
+
+def test_the_quantization_plan_forces_the_kernel_a_t4_runs_and_compares_with_fp16(tmp_path: Path) -> None:
+    cases = {c.name: c for c in goodput_gpu.quant_plan()}
+    awq = cases["awq-marlin-7b"].args
+    assert awq[awq.index("--quantization") + 1] == "awq" and awq[awq.index("--linear-backend") + 1] == "marlin"
+    assert "--linear-backend" not in cases["awq-machete-1.5b"].args  # what the H200 itself picks
+    assert "--quantization" not in cases["fp16-7b"].args
+    t4 = goodput_gpu.profile_args("t4")
+    assert all(c.args[: len(t4)] == t4 for c in cases.values() if c.profile != "t4-mnbt1024")  # the t4 profile
+    assert {goodput_gpu.model_dir(c) for c in cases.values()} >= {"qwen3-4b-awq", "7b-gptq", "1.5b-fp16"}
+    rows = {
+        n: {
+            "shape": c.shape,
+            "profile": c.profile,
+            "checkpoint": c.checkpoint,
+            "goodput_rps": 64.0,
+            "first_failing_rps": 96.0,
+            "tpot_p50_c1_ms": 2.0,
+        }
+        for n, c in cases.items()
+    }
+    got = {e["case"]: e["baseline"] for e in goodput_gpu.ratios(rows)}
+    assert got["gptq-marlin-4b"] == "fp16-4b" and got["t4-mnbt1024-1.5b"] == "fp16-1.5b"
+    assert "fp16-7b" not in got
+    with (tmp_path / "model.safetensors").open("wb") as f:
+        f.truncate(5 * 1024**3)  # a 7B AWQ checkpoint
+    args, memory = goodput_gpu.quant_memory_args(tmp_path, 140 * 1024**3)
+    assert int(args[args.index("--kv-cache-memory-bytes") + 1]) == goodput_gpu.QUANT_KV_BYTES
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.08"  # (5 + 3 + 2) / 140, rounded up
+    assert memory["fits_t4_envelope"]
+    with (tmp_path / "model.safetensors").open("wb") as f:
+        f.truncate(14 * 1024**3)  # the 7B in fp16
+    assert not goodput_gpu.quant_memory_args(tmp_path, 140 * 1024**3)[1]["fits_t4_envelope"]
