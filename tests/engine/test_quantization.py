@@ -265,3 +265,28 @@ def test_the_checkpoint_reader_maps_modelopt_algorithms() -> None:
     assert read({"quant_method": "modelopt", "quant_algo": "MXFP8"}) == "modelopt_mxfp8"
     assert read({"quant_method": "AWQ"}) == "awq"
     assert quant.read_checkpoint_method({}) is None
+
+
+# --- the launcher ---
+
+def test_the_engine_process_runs_the_method_the_preflight_read(tiny: dict[str, Path]) -> None:
+    from flashmodel_engine.launcher import EngineProcess
+
+    cfg = config(path=str(tiny["gptq"]))
+    report = run_preflight(cfg, device=T4, raise_nofile=False)
+    assert report.ok, report.failures
+    argv = EngineProcess(cfg, python="/py", checkpoint_method=report.quantization).argv
+    assert argv[-2:] == ["--quantization", "gptq"]
+
+
+@pytest.mark.skipif(quant.CPU_FLAG in quant.host_cpu_flags(), reason="this host has AVX-512")
+def test_launch_on_an_avx2_host_refuses_awq_before_starting_vllm(tiny: dict[str, Path], tmp_path: Path) -> None:
+    from tests.engine.test_preflight import _cli
+
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(f"accelerator: cpu\nmodel: {{path: {tiny['awq']}, servedName: m}}\nengine: {{dtype: bfloat16}}\n")
+    r = _cli(["launch", "--config", str(cfg)], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    message = (tmp_path / "termination-log").read_text()
+    assert message.startswith("preflight failed: awq on the cpu profile needs an AVX-512 host"), message
+    assert "vllm.entrypoints" not in r.stderr
