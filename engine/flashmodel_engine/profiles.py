@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
+from flashmodel_engine.quantization import method_problems
 from flashmodel_engine.vllm_flags import Options, dest_of
 from flashmodel_engine.vllm_flags import resolve as resolve_args
 from flashmodel_engine.vllm_options import OPTIONS
@@ -30,6 +32,9 @@ ENFORCED_FLAGS: dict[str, str] = {
     # Either would replace the gpuMemoryUtilization budget the memory plan is made for.
     "--kv-cache-memory-bytes": "engine.gpuMemoryUtilization",
     "--attention-backend": "engine.attentionBackend",
+    # The launcher passes the checkpoint's method itself, so vLLM cannot pick a kernel the card lacks.
+    "--quantization": QUANTIZATION_FIELD,
+    "--quantization-config": QUANTIZATION_FIELD,
     "--model": "model.path",
     "--served-model-name": "model.servedName",
     "--host": "server.host",
@@ -72,8 +77,6 @@ MEMORY_PLAN_FLAGS: dict[str, str] = {
     "--prefill-context-parallel-size": "remove it; a profile pod has one GPU",
     "--kv-cache-dtype": "remove it; fp8 KV cache needs sm_89 and the KV budget is planned for the model dtype",
     "--kv-cache-dtype-skip-layers": "remove it; the KV budget is planned for the model dtype",
-    "--quantization": "remove it; vLLM reads an AWQ/GPTQ checkpoint's quantization from its config",
-    "--quantization-config": "remove it; vLLM reads an AWQ/GPTQ checkpoint's quantization from its config",
     "--speculative-config": "remove it; a draft model's weights and KV cache are outside the memory plan",
     "--spec-method": "remove it; a draft model's weights and KV cache are outside the memory plan",
     "--spec-model": "remove it; a draft model's weights and KV cache are outside the memory plan",
@@ -159,6 +162,8 @@ class ResolvedEngine:
     max_num_batched_tokens: int
     enforce_eager: bool
     attention_backend: str
+    quantization: str
+    """spec.model.quantization as written: auto is resolved against the checkpoint by the preflight."""
 
 
 def _refusals(options: Options) -> dict[str, tuple[str, str]]:
@@ -306,6 +311,10 @@ def resolve(config: EngineConfig, options: Options | None = None, *, strict: boo
             f"{', '.join(profile.attention_backends)} (the tile kernel needs a GPU)"
         )
 
+    quantization = config.model.quantization
+    if quantization not in ("auto", "none"):
+        problems.extend(method_problems(quantization, profile.name, dtype))
+
     problems.extend(check_extra_args(e.extra_args, options, strict=strict))
     if problems:
         raise ProfileError(problems)
@@ -313,15 +322,25 @@ def resolve(config: EngineConfig, options: Options | None = None, *, strict: boo
         profile=profile, block_size=block_size, dtype=dtype, gpu_memory_utilization=gmu,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=mnbt,
         enforce_eager=profile.default_enforce_eager if e.enforce_eager is None else e.enforce_eager,
-        attention_backend=e.attention_backend,
+        attention_backend=e.attention_backend, quantization=quantization,
     )
 
 
-def vllm_args(config: EngineConfig) -> list[str]:
+def quantization_flag(config: EngineConfig, checkpoint_method: str | None = None) -> str | None:
+    """The --quantization value: the spec's method, or for auto the checkpoint's (None: no flag)."""
+    q = config.model.quantization
+    if q == "none":
+        return None
+    return checkpoint_method if q == "auto" else q
+
+
+def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> list[str]:
     """vLLM's OpenAI-server flags for this config (without the interpreter and module): extra args, then enforced.
 
-    The API key is not a flag: it would show in `ps` and in status.engineArgs, so the launcher
-    hands it to vLLM as VLLM_API_KEY (see `vllm_env`).
+    `checkpoint_method` is the quantization the preflight read from the checkpoint's config.json,
+    which is what `model.quantization: auto` becomes (the operator, with no checkpoint to read,
+    shows auto without the flag in status.engineArgs). The API key is not a flag: it would show
+    in `ps` and in status.engineArgs, so the launcher hands it to vLLM as VLLM_API_KEY (see `vllm_env`).
     """
     r = resolve(config)
     # The extra args first: argparse keeps the last value of a flag, so whatever an extra arg
@@ -351,6 +370,9 @@ def vllm_args(config: EngineConfig) -> list[str]:
         backend = _GPU_ATTENTION[r.attention_backend]
         if backend is not None:
             args += ["--attention-backend", backend]
+    method = quantization_flag(config, checkpoint_method)
+    if method is not None:
+        args += ["--quantization", method]
     return args
 
 

@@ -34,13 +34,24 @@ class HubSource(_Spec):
     revision: str = "main"
 
 
+# spec.model.quantization's values, as in the CRD's enum (flashmodel_engine.quantization has the table;
+# tests/crd/test_schema.py checks the three lists agree).
+Quantization = Literal[
+    "auto", "none",
+    "awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "moe_wna16", "modelopt_fp4",
+    "torchao", "humming",
+    "modelopt", "modelopt_mxfp8", "fbgemm_fp8", "experts_int8", "mxfp4", "fp_quant",
+]
+
+
 class ModelSpec(_Spec):
-    """Where the weights come from and the name clients ask for."""
+    """Where the weights come from, how they are quantized, and the name clients ask for."""
 
     pvc: PVCSource | None = None
     image: ImageSource | None = None
     hub: HubSource | None = None
     served_name: str | None = None
+    quantization: Quantization = "auto"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

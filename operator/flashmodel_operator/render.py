@@ -97,6 +97,10 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
             "controlTokenFile": f"{CONTROL_DIR}/{CONTROL_TOKEN_KEY}",
         },
     }
+    if spec.model.quantization != "auto":
+        # Only when set: auto is the engine's default too, and writing it would change the config
+        # hash of every existing model, so upgrading the operator would restart all their pods.
+        config["model"]["quantization"] = spec.model.quantization
     if spec.auth is not None:
         config["auth"] = {"apiKeyFile": f"{AUTH_DIR}/{spec.auth.api_key_secret_ref.key}"}
     return config

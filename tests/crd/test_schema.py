@@ -148,3 +148,27 @@ def test_closed_schema_refuses_a_misspelt_field() -> None:
     }
     with pytest.raises(jsonschema.ValidationError, match="blocksize"):
         jsonschema.Draft4Validator(_closed(schema())).validate(doc)
+
+
+def test_quantization_values_agree_in_the_crd_the_operator_and_the_engine() -> None:
+    from typing import get_args
+
+    from flashmodel_engine.config import ModelSource
+    from flashmodel_engine.quantization import QUANTIZATION_VALUES, TABLE
+    from flashmodel_operator.model import ModelSpec, Quantization
+
+    field = schema()["properties"]["spec"]["properties"]["model"]["properties"]["quantization"]
+    assert field["default"] == "auto"
+    assert list(field["enum"]) == list(QUANTIZATION_VALUES) == list(get_args(Quantization))
+    assert set(TABLE) == set(QUANTIZATION_VALUES) - {"auto", "none"}
+    assert ModelSpec.model_validate({"hub": {"id": "a/b"}}).quantization == "auto"
+    assert ModelSource.model_validate({"path": "/m", "servedName": "m"}).quantization == "auto"
+
+
+def test_every_method_the_t4_refuses_has_a_cel_rule_and_no_other_does() -> None:
+    from flashmodel_engine.quantization import TABLE
+
+    rules = schema()["properties"]["spec"]["x-kubernetes-validations"]
+    t4_rules = [r["rule"] for r in rules if r.get("fieldPath") == ".model.quantization" and "'t4'" in r["rule"]]
+    named = {m for m in TABLE for rule in t4_rules if f"'{m}'" in rule}
+    assert named == {m for m, entry in TABLE.items() if entry.t4 is not None}

@@ -48,8 +48,9 @@ BYPASSES: list[tuple[list[str], str, str]] = [
     (["-tp", "2"], "--tensor-parallel-size", "one GPU"),
     (["--tensor-parallel", "2"], "--tensor-parallel-size", "one GPU"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype", "sm_89"),
-    (["-q", "awq"], "--quantization", "from its config"),
-    (["--quantization=gptq"], "--quantization", "from its config"),
+    (["-q", "awq"], "--quantization", "set spec.model.quantization instead"),
+    (["--quantization=gptq"], "--quantization", "set spec.model.quantization instead"),
+    (["--quantization-config", "{}"], "--quantization-config", "set spec.model.quantization instead"),
     (["--speculative-config", "{}"], "--speculative-config", "draft model"),
 ]
 

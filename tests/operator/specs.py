@@ -22,8 +22,10 @@ FULL_T4 = body(
     "qwen-prod",
     {
         "model": {
-            "image": {"reference": "registry.example/models/qwen2.5-7b:1", "path": "/weights"},
+            "image": {"reference": "registry.example/models/qwen2.5-7b-awq:1", "path": "/weights"},
             "servedName": "qwen",
+            # A 7B fits a T4 only as INT4 (docs/quantization.md).
+            "quantization": "awq",
         },
         "accelerator": "t4",
         "replicas": 2,

@@ -93,12 +93,22 @@ def test_spec_change_changes_pod_template_hash_and_scale_does_not() -> None:
 
 def test_engine_config_carries_auth_file_and_model_path() -> None:
     config = engine_config(FlashModel.from_body(FULL_T4))
-    assert config["model"] == {"path": "/model-image/weights", "servedName": "qwen"}
+    assert config["model"] == {"path": "/model-image/weights", "servedName": "qwen", "quantization": "awq"}
     assert config["auth"] == {"apiKeyFile": "/etc/flashmodel/auth/api-key"}
     # The profile, not the spec, decides the block size: the launcher's own function says 16.
     assert "blockSize" not in config["engine"]
     args = engine_args(config)
     assert args[args.index("--block-size") + 1] == "16" and args[args.index("--dtype") + 1] == "float16"
+    # An explicit method is an enforced flag, after the extra args (status.engineArgs shows it).
+    assert args[0] == "--enable-prefix-caching" and args[-2:] == ["--quantization", "awq"]
+
+
+def test_quantization_auto_is_left_out_of_the_engine_config() -> None:
+    # auto is the engine's default: writing it would change every existing model's config hash and
+    # restart its pods when the operator is upgraded.
+    config = engine_config(FlashModel.from_body(MINIMAL_T4))
+    assert "quantization" not in config["model"]
+    assert "--quantization" not in engine_args(config)
 
 
 def test_strategic_merge_follows_each_lists_merge_key() -> None:
