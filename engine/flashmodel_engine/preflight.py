@@ -447,6 +447,11 @@ def _resolve_quantization(cfg: dict[str, Any], model_dir: Path, r: ResolvedEngin
         if problems:
             report.failures.extend(problems)
             return None
+    ct_problem = quant.compressed_tensors_problem(cfg) if found == "compressed-tensors" else None
+    if ct_problem and r.profile.name == "t4":
+        report.failures.append(f"{model_dir}/config.json is compressed-tensors, but a T4 (sm_75) cannot run "
+                               + ct_problem)
+        return None
     need = quant.TABLE[found].min_capability
     if device is not None and device.compute_capability[0] * 10 + device.compute_capability[1] < need:
         cc = device.compute_capability

@@ -53,7 +53,8 @@ TABLE: dict[str, Method] = {
     # Weight-only: MarlinFP8ScaledMMLinearKernel dequantizes in the GEMM (q/fp8.py:144-145,287-288).
     "fp8": Method(75, _FP16_ONLY, None),
     # Per scheme after the config's 70 (q/compressed_tensors/compressed_tensors.py:116-117,922):
-    # W4A16/W8A16 take Marlin; a W8A8-FP8 scheme needs sm_89 and fails at load.
+    # W4A16/W8A16 take Marlin, W8A8-FP8 falls back to weight-only W8A16-FP8 below sm_89 (:812-838);
+    # the schemes that do not run on a T4 are refused per checkpoint (compressed_tensors_problem).
     "compressed-tensors": Method(70, _ANY, None),
     # q/bitsandbytes.py:104-105; the package is in vllm/vllm-openai (docker/Dockerfile, stage
     # vllm-openai-base installs bitsandbytes), which Dockerfile.engine builds on.
@@ -104,6 +105,30 @@ def method_problems(method: str, accelerator: str, dtype: str, subject: str | No
         return [f"{what} with engine.dtype {dtype}: vLLM runs {method} in "
                 f"{' or '.join(entry.act_dtypes)} only; set spec.engine.dtype to float16"]
     return []
+
+
+def compressed_tensors_problem(config: dict[str, Any]) -> str | None:
+    """Why a compressed-tensors checkpoint's schemes cannot run on a T4 (None: they can).
+
+    Below sm_89 vLLM 0.26 turns W8A8-FP8 into weight-only W8A16-FP8, and INT8, WNA16 and NVFP4
+    schemes need sm_75 at most; two schemes have no such fallback: W4A8-FP8 (sm_90,
+    q/compressed_tensors/schemes/compressed_tensors_w4a8_fp8.py:71) and W4A4-MXFP4 (sm_80,
+    schemes/compressed_tensors_w4a4_mxfp4.py:42).
+    """
+    qc = config.get("quantization_config")
+    groups = qc.get("config_groups") if isinstance(qc, dict) else None
+    if not isinstance(groups, dict):
+        return None
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            continue
+        fmt = str(group.get("format") or qc.get("format") or "")  # type: ignore[union-attr]
+        w, a = group.get("weights") or {}, group.get("input_activations") or {}
+        if "mxfp4" in fmt:
+            return f"its scheme {name} is W4A4-MXFP4 (format {fmt}), which needs sm_80; use " + _INT4
+        if (w.get("num_bits"), w.get("type"), a.get("num_bits"), a.get("type")) == (4, "int", 8, "float"):
+            return f"its scheme {name} is W4A8-FP8, which needs sm_90; use " + _INT4
+    return None
 
 
 class CheckpointError(ValueError):

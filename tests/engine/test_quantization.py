@@ -33,6 +33,10 @@ from bench import mkquant
 T4 = DeviceInfo(name="Tesla T4", compute_capability=(7, 5), total_memory_bytes=15 * 1024**3)
 
 
+CT_W4A8_FP8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+    "weights": {"num_bits": 4, "type": "int"}, "input_activations": {"num_bits": 8, "type": "float"}}}}
+
+
 def config(accelerator: str = "t4", path: str = "/models/x", quantization: str = "auto",
            **engine: Any) -> EngineConfig:
     return parse_config({"accelerator": accelerator,
@@ -181,6 +185,21 @@ def test_an_unquantized_checkpoint_under_auto_or_none_gets_no_flag(tiny: dict[st
         assert "--quantization" not in vllm_args(cfg, report.quantization)
 
 
+def test_a_compressed_tensors_w8a8_fp8_checkpoint_runs_on_a_t4_as_weight_only(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    # vLLM 0.26 turns W8A8-FP8 into W8A16-FP8 (Marlin) below sm_89: accepted, unlike W4A8-FP8.
+    w8a8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float"}, "input_activations": {"num_bits": 8, "type": "float"}}}}
+    for qc, refused in ((w8a8, False), (CT_W4A8_FP8, True)):
+        copy = tmp_path / f"ckpt-{refused}"
+        shutil.copytree(tiny["fp16"], copy)
+        data = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**data, "quantization_config": qc}))
+        text = failures(run_preflight(config(path=str(copy)), device=T4, raise_nofile=False))
+        assert ("cannot run its scheme" in text) == refused, text
+
+
 @pytest.mark.parametrize(("qc", "expect"), [
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}},
      "the checkpoint is quantized with modelopt (spec.model.quantization auto), which a T4 (sm_75) cannot run: "
@@ -189,6 +208,11 @@ def test_an_unquantized_checkpoint_under_auto_or_none_gets_no_flag(tiny: dict[st
                                 "(sm_75) cannot run: mxfp4 needs sm_80"),
     ({"quant_method": "hqq"}, "config.json's quantization_config.quant_method is 'hqq', which flashmodel does not "
                               "plan for"),
+    (CT_W4A8_FP8, "is compressed-tensors, but a T4 (sm_75) cannot run its scheme group_0 is W4A8-FP8, which "
+                  "needs sm_90"),
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float"}}}},
+     "its scheme group_0 is W4A4-MXFP4 (format mxfp4-pack-quantized), which needs sm_80"),
 ])
 def test_auto_refuses_a_checkpoint_method_the_t4_cannot_run(
     tiny: dict[str, Path], tmp_path: Path, qc: dict[str, Any], expect: str
