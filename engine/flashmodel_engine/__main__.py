@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from flashmodel_engine.config import ConfigError, EngineConfig, load_config
+from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_engine.launcher import write_termination_message
 
 log = logging.getLogger("flashmodel")
@@ -26,7 +27,7 @@ def _config(path: str) -> EngineConfig:
     except ConfigError as e:
         log.error("event=config-invalid reason=%r", str(e))
         write_termination_message(str(e))
-        raise SystemExit(2) from e
+        raise SystemExit(PREFLIGHT_EXIT_CODE) from e
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -39,7 +40,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ProfileError as e:
         log.error("event=config-refused reason=%r", str(e))
         write_termination_message(str(e))
-        return 2
+        return PREFLIGHT_EXIT_CODE
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:

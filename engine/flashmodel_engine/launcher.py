@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_engine.modelinfos import seed_modelinfos
 from flashmodel_engine.profiles import vllm_args, vllm_env
 
@@ -194,7 +195,7 @@ async def launch(config: EngineConfig, *, prewarm_on_start: bool = True) -> int:
         log.info(line)
     if not report.ok:
         write_termination_message("preflight failed: " + " | ".join(report.failures))
-        return 2
+        return PREFLIGHT_EXIT_CODE
 
     # The checkpoint's quantization as the preflight read it: model.quantization auto becomes an
     # explicit --quantization, so vLLM cannot choose a method the preflight did not check.

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
@@ -23,7 +24,6 @@ from flashmodel_operator.model import FlashModel
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_PORT,
-    PREFLIGHT_EXIT_CODE,
     control_secret_name,
     engine_config,
     pod_template_problems,

@@ -26,9 +26,6 @@ PREWARM_GATE = f"{GROUP}/prewarmed"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 APPLIED_HASH_ANNOTATION = f"{GROUP}/applied-hash"
 MODEL_LABEL = f"{GROUP}/model"
-# The launcher exits with EX_CONFIG (sysexits.h) when preflight refuses the model or settings;
-# retrying such a pod cannot succeed until the spec changes.
-PREFLIGHT_EXIT_CODE = 78
 
 
 def selector_labels(fm: FlashModel) -> dict[str, str]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from flashmodel_engine.config import EngineConfig, parse_config
+from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_engine.preflight import DeviceInfo, PreflightReport, graph_pool_bytes, run_preflight
 
 from tests.engine.conftest import REPO
@@ -191,13 +192,13 @@ def test_launch_refuses_a_bad_config_before_starting_vllm(tmp_path: Path) -> Non
     cfg = tmp_path / "engine.yaml"
     cfg.write_text("accelerator: t4\nmodel: {path: /m, servedName: m}\nengine: {blockSize: 32}\n")
     r = _cli(["launch", "--config", str(cfg)], tmp_path)
-    assert r.returncode == 2
+    assert r.returncode == PREFLIGHT_EXIT_CODE  # what the operator's hold reads
     message = (tmp_path / "termination-log").read_text()
     assert message.startswith("preflight failed: engine.blockSize is 32; it must be 16 on t4")
     assert "vllm.entrypoints" not in r.stderr  # vLLM was never started
     cfg.write_text("accelerator: t4\nmodel: {path: /m, servedName: m}\nengine: {blockSize: sixteen}\n")
     r = _cli(["launch", "--config", str(cfg)], tmp_path)
-    assert r.returncode == 2
+    assert r.returncode == PREFLIGHT_EXIT_CODE  # what the operator's hold reads
     assert "engine.blockSize: Input should be a valid integer" in (tmp_path / "termination-log").read_text()
 
 

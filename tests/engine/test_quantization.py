@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from flashmodel_engine import quantization as quant
 from flashmodel_engine.config import EngineConfig, parse_config
+from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_engine.launcher import engine_command
 from flashmodel_engine.preflight import (
     GIB,
@@ -310,7 +311,7 @@ def test_launch_on_an_avx2_host_refuses_awq_before_starting_vllm(tiny: dict[str,
     cfg = tmp_path / "engine.yaml"
     cfg.write_text(f"accelerator: cpu\nmodel: {{path: {tiny['awq']}, servedName: m}}\nengine: {{dtype: bfloat16}}\n")
     r = _cli(["launch", "--config", str(cfg)], tmp_path)
-    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.returncode == PREFLIGHT_EXIT_CODE, r.stdout + r.stderr  # the operator holds the model
     message = (tmp_path / "termination-log").read_text()
     assert message.startswith("preflight failed: awq on the cpu profile needs an AVX-512 host"), message
     assert "vllm.entrypoints" not in r.stderr

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.reconcile import reconcile
 from kubernetes.client.exceptions import ApiException
@@ -257,7 +258,9 @@ def test_preflight_refusal_holds_at_zero_instead_of_crash_looping(
                     "restartCount": 1,
                     "started": False,
                     "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                    "lastState": {"terminated": {"exitCode": 78, "reason": "Error", "message": message}},
+                    "lastState": {
+                        "terminated": {"exitCode": PREFLIGHT_EXIT_CODE, "reason": "Error", "message": message}
+                    },
                 }
             ],
         }
