@@ -221,7 +221,7 @@ def test_launch_refuses_an_abbreviated_enforced_flag_before_starting_vllm(
     cfg.write_text(json.dumps({"accelerator": "t4", "model": {"path": "/m", "servedName": "m"},
                                "engine": {"extraArgs": extra}}))
     r = _cli(["launch", "--config", str(cfg)], tmp_path)
-    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.returncode == PREFLIGHT_EXIT_CODE, r.stdout + r.stderr
     message = (tmp_path / "termination-log").read_text()
     assert message.startswith("preflight failed: ") and flag in message, message
     assert "vllm.entrypoints" not in r.stderr  # vLLM was never started
