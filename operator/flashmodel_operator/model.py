@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+# spec.model.quantization's values: the engine's table is the one list (the CRD's enum is checked against it).
+from flashmodel_engine.quantization import Quantization as Quantization
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -32,16 +34,6 @@ class HubSource(_Spec):
 
     id: str
     revision: str = "main"
-
-
-# spec.model.quantization's values, as in the CRD's enum (flashmodel_engine.quantization has the table;
-# tests/crd/test_schema.py checks the three lists agree).
-Quantization = Literal[
-    "auto", "none",
-    "awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "moe_wna16", "modelopt_fp4",
-    "torchao", "humming",
-    "modelopt", "modelopt_mxfp8", "fbgemm_fp8", "experts_int8", "mxfp4", "fp_quant",
-]
 
 
 class ModelSpec(_Spec):
