@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, transient
 from flashmodel_operator.model import FlashModelSpec
-from flashmodel_operator.remediation import Decision, ModelBudget, PodHealth, decide
+from flashmodel_operator.conditions import READY
+from flashmodel_operator.remediation import Decision, ModelBudget, PodHealth, decide, serving_pods
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.shim_client import ShimClient
 
@@ -102,6 +103,13 @@ def gate_is_true(pod: dict[str, Any]) -> bool:
     return any(
         c.get("type") == PREWARM_GATE and c.get("status") == "True" and c.get("reason") in PREWARMED_REASONS
         for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition: its containers' probes and all its readiness gates pass."""
+    return any(
+        c.get("type") == READY and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
     )
 
 
@@ -352,6 +360,7 @@ class PodWatch:
             divergence_ratio=metrics.divergence_ratio if metrics else 0.0,
             divergent_since=self.divergent_since,
             readyz_failing_since=self.readyz_failing_since,
+            endpoint_ready=pod_is_ready(pod),
         )
         async with self.state.lock:
             self.state.health[self.name] = health
@@ -374,9 +383,9 @@ class PodWatch:
             restarts_last_hour=restarts_last_hour(fm, dt.datetime.now(dt.UTC)),
             in_flight=self.state.in_flight,
             seconds_since_last=None if self.state.last_remediation is None else now - self.state.last_remediation,
-            # The pods this operator saw prewarm and that pass readiness now, not the Deployment's count
+            # The pods this operator saw prewarm that serve now, not the Deployment's count
             # (which counts any gate set True, kwok's included).
-            ready_pods=sum(1 for p in pods if p.prewarmed and p.readyz_failing_since is None and not p.deleting),
+            ready_pods=serving_pods(pods),
             desired_pods=spec.replicas,
         )
         decision = decide(pods, budget, spec.remediation, now)

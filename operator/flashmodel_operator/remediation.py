@@ -37,6 +37,12 @@ class PodHealth:
     deleting: bool = False
     prewarm_failure: str | None = None
     """Why its prewarm failed every attempt (the pod never served); None when it did not."""
+    endpoint_ready: bool = False
+    """The pod's own Ready condition is True: the kubelet's probes pass too, so the Service sends it traffic.
+
+    The gate alone is not enough: a replacement's gate opens before its container's first passing
+    readiness probe, and draining another pod in that window leaves the model with no endpoint.
+    """
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,11 @@ class Decision:
     pod: str
     message: str
     divergence_ratio: float = 0.0
+
+
+def serving_pods(pods: list[PodHealth]) -> int:
+    """Pods that carry traffic now: prewarmed by this operator, generating, and endpoints of the Service."""
+    return sum(1 for p in pods if p.prewarmed and p.endpoint_ready and p.readyz_failing_since is None and not p.deleting)
 
 
 def _candidate(pod: PodHealth, spec: RemediationSpec, now: float) -> tuple[str, str, float] | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flashmodel_operator.model import RemediationSpec
-from flashmodel_operator.remediation import CONFIRM_SECONDS, ModelBudget, PodHealth, decide
+from flashmodel_operator.remediation import CONFIRM_SECONDS, ModelBudget, PodHealth, decide, serving_pods
 
 SPEC = RemediationSpec(max_restarts_per_hour=2, hung_readiness_seconds=60)
 NOW = 10_000.0
@@ -17,6 +17,7 @@ def pod(
     live: bool = True,
     ratio: float = 0.0,
     prewarmed: bool = True,
+    endpoint_ready: bool = True,
 ) -> PodHealth:
     return PodHealth(
         name=name,
@@ -26,6 +27,7 @@ def pod(
         divergence_ratio=ratio,
         divergent_since=None if divergent_for is None else NOW - divergent_for,
         readyz_failing_since=None if hung_for is None else NOW - hung_for,
+        endpoint_ready=endpoint_ready,
     )
 
 
@@ -117,3 +119,15 @@ def test_a_pod_whose_prewarm_keeps_failing_takes_the_same_budget() -> None:
     assert busy is not None and (busy.action, busy.reason) == ("hold", "RemediationInProgress")
     soon = decide([_unprewarmed("b")], budget(seconds_since_last=1.0), SPEC, NOW)
     assert soon is not None and (soon.action, soon.reason) == ("hold", "BackingOff")
+
+
+def test_a_replacement_whose_gate_opened_before_its_probe_passed_does_not_carry_the_model() -> None:
+    # Its gate is open but the kubelet has not yet marked the pod Ready, so it is no endpoint:
+    # draining the diverging pod now would leave the Service with none.
+    pods = [pod("a", divergent_for=CONFIRM_SECONDS + 1, ratio=0.2), pod("b-new", endpoint_ready=False)]
+    assert serving_pods(pods) == 1
+    d = decide(pods, budget(ready_pods=serving_pods(pods)), SPEC, NOW)
+    assert d is not None and (d.action, d.reason) == ("hold", "WaitingForReadyPods")
+    pods[1] = pod("b-new")
+    d = decide(pods, budget(ready_pods=serving_pods(pods)), SPEC, NOW)
+    assert d is not None and (d.action, d.pod) == ("evict", "a")
