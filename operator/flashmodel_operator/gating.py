@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, transient
-from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.conditions import READY
+from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.remediation import Decision, ModelBudget, PodHealth, decide, serving_pods
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.shim_client import ShimClient

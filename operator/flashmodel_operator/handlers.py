@@ -149,6 +149,15 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
         _reconcile_latest(namespace, model)
 
 
+@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels={f"{GROUP}/model": kopf.PRESENT})
+def on_hpa_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
+    # The HPA's status (its metrics, the replica count it wants, why it cannot scale) goes into the
+    # FlashModel's Autoscaling condition. KEDA's HPA carries the ScaledObject's labels, the model's included.
+    model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
+    if model and type != "DELETED":
+        _reconcile_latest(namespace, model)
+
+
 @kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5, backoff=HANDLER_BACKOFF_SECONDS)
 async def engine_pod(
     namespace: str | None, name: str, labels: kopf.Labels, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any

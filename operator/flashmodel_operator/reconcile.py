@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
+from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.gating import gate_is_true
 from flashmodel_operator.model import FlashModel
@@ -27,6 +28,7 @@ from flashmodel_operator.render import (
     control_secret_name,
     engine_config,
     pod_template_problems,
+    render_autoscaler,
     render_children,
     render_control_secret,
     render_pod_template,
@@ -198,7 +200,8 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     if control_missing and cluster.create(render_control_secret(fm, secrets.token_urlsafe(32))):
         log.info("event=control-secret-created model=%s/%s", ns, name)
 
-    children = render_children(fm, replicas=0 if held else None)
+    # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
+    children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
     if secret_missing:
         # A pod without its key would serve without authentication or crash-loop on the missing mount;
         # the Secret's arrival triggers a pass within seconds (handlers.wait_for_auth_secret).
@@ -230,10 +233,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         if result != "unchanged":
             cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {child['metadata']['name']}")
             log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
-    removed_hpa = fm.spec.autoscaling is None and status.get("autoscaling")
-    if removed_hpa and cluster.delete("autoscaling/v2", "HorizontalPodAutoscaler", ns, name):
-        cluster.event(body, "Normal", "Deleted", f"deleted HorizontalPodAutoscaler {name}: spec.autoscaling removed")
-    new_status["autoscaling"] = fm.spec.autoscaling is not None
+    scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
     deployment = cluster.get("apps/v1", "Deployment", ns, name) or {}
     dep_status = deployment.get("status") or {}
@@ -253,6 +253,8 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         deployment_generation_observed=int(dep_status.get("observedGeneration", 0))
         >= int(deployment.get("metadata", {}).get("generation", 1)),
         problem=problem,
+        unschedulable=unschedulable(current_pods),
+        autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
     )
     new_status.update(
         {
@@ -269,6 +271,86 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     outcome.problem = problem
     _write_status(cluster, body, new_status, obs, outcome)
     return outcome
+
+
+_AUTOSCALER_API = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}
+
+
+def unschedulable(pods: list[dict[str, Any]]) -> str | None:
+    """The scheduler's word on the first Pending pod it could not place, for the Ready condition."""
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") != "Pending" or pod["metadata"].get("deletionTimestamp"):
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return f"pod {pod['metadata']['name']} unschedulable: {c.get('message') or 'no reason given'}"
+    return None
+
+
+def _reconcile_autoscaler(
+    cluster: Cluster,
+    body: dict[str, Any],
+    fm: FlashModel,
+    status: dict[str, Any],
+    new_status: dict[str, Any],
+    outcome: Outcome,
+) -> ScalerState | None:
+    """Apply the model's ScaledObject or HPA, remove the one it no longer wants, and read what its HPA says."""
+    ns, name = fm.namespace, fm.name
+    scaling = fm.spec.autoscaling
+    wanted = None if scaling is None else ("ScaledObject" if scaling.scaler == "keda" else "HorizontalPodAutoscaler")
+    before = status.get("autoscaler") or {}
+    # status.autoscaling alone (no status.autoscaler) is what an HPA-only operator recorded.
+    had = before.get("kind") or ("HorizontalPodAutoscaler" if status.get("autoscaling") else None)
+    if had in _AUTOSCALER_API and had != wanted and cluster.delete(_AUTOSCALER_API[had], had, ns, name):
+        why = "spec.autoscaling removed" if scaling is None else f"spec.autoscaling.scaler is now {scaling.scaler}"
+        cluster.event(body, "Normal", "Deleted", f"deleted {had} {name}: {why}")
+    new_status["autoscaling"] = scaling is not None
+    if scaling is None:
+        new_status["autoscaler"] = None
+        return None
+
+    missing: str | None = None
+    server = prometheus_url()
+    if scaling.scaler == "keda" and not server:
+        missing = (
+            f"no Prometheus address for KEDA's triggers: set the chart value autoscaling.prometheusAddress "
+            f"(operator env {PROMETHEUS_URL_ENV}), or use spec.autoscaling.scaler: hpa with a metrics adapter"
+        )
+    child = None if missing else render_autoscaler(fm, server)
+    if child is not None:
+        try:
+            result = cluster.apply(child)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            # The kind is not served: KEDA's CRDs are not installed. The model serves at its
+            # current replica count; only the autoscaling condition says what is missing.
+            missing = (
+                f"{child['kind']} ({child['apiVersion']}) is not served by this cluster: install KEDA "
+                "(v2.12 or newer), or use spec.autoscaling.scaler: hpa with a custom-metrics adapter"
+            )
+        else:
+            outcome.applied[f"{child['kind']}/{name}"] = result
+            if result != "unchanged":
+                cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {name}")
+    hpa = None if missing else cluster.get("autoscaling/v2", "HorizontalPodAutoscaler", ns, hpa_name(fm))
+    scaled_object = (
+        None if missing or wanted != "ScaledObject" else cluster.get("keda.sh/v1alpha1", "ScaledObject", ns, name)
+    )
+    state = scaler_state(fm, hpa, scaled_object, missing)
+    previous = before.get("specReplicas")
+    if previous is not None and int(previous) != fm.spec.replicas:
+        by = (
+            f"by HPA {hpa_name(fm)} ({', '.join(state.status.get('metrics') or []) or 'no metrics read'})"
+            if state.status.get("desiredReplicas") == fm.spec.replicas
+            else "(not the HPA's current count: set by hand or by an earlier HPA decision)"
+        )
+        cluster.event(body, "Normal", "Scaled", f"spec.replicas {previous} -> {fm.spec.replicas} {by}")
+        log.info("event=scaled model=%s/%s from=%s to=%d", ns, name, previous, fm.spec.replicas)
+    state.status["specReplicas"] = fm.spec.replicas
+    new_status["autoscaler"] = state.status
+    return state
 
 
 def _write_status(

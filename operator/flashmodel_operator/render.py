@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
+from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.profiles import pod_profile
 
@@ -370,67 +371,22 @@ def render_pdb(fm: FlashModel) -> dict[str, Any]:
     }
 
 
-def render_hpa(fm: FlashModel) -> dict[str, Any] | None:
+def render_autoscaler(fm: FlashModel, prometheus: str) -> dict[str, Any] | None:
+    """The model's ScaledObject (KEDA) or HPA, named after the model; None without spec.autoscaling."""
     scaling = fm.spec.autoscaling
     if scaling is None:
         return None
-    metrics: list[dict[str, Any]] = [
-        {
-            "type": "Pods",
-            "pods": {
-                "metric": {"name": "flashmodel_requests_per_second"},
-                "target": {"type": "AverageValue", "averageValue": _quantity(scaling.target_requests_per_second)},
-            },
-        }
-    ]
-    if scaling.target_kv_cache_usage is not None:
-        metrics.append(
-            {
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": "flashmodel_kv_cache_usage_ratio"},
-                    "target": {"type": "AverageValue", "averageValue": _quantity(scaling.target_kv_cache_usage)},
-                },
-            }
-        )
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(fm, fm.name),
-        "spec": {
-            # The HPA scales the FlashModel through its scale subresource, so the operator stays
-            # the only writer of the Deployment.
-            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": fm.name},
-            "minReplicas": scaling.min_replicas,
-            "maxReplicas": scaling.max_replicas,
-            "metrics": metrics,
-            "behavior": {
-                # A GPU pod takes minutes to load and prewarm: add one at a time, remove slowly.
-                "scaleUp": {
-                    "stabilizationWindowSeconds": 60,
-                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
-                },
-                "scaleDown": {
-                    "stabilizationWindowSeconds": 300,
-                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
-                },
-            },
-        },
-    }
+    if scaling.scaler == "keda":
+        return render_scaled_object(fm, _metadata(fm, fm.name), prometheus)
+    return render_hpa(fm, _metadata(fm, fm.name))
 
 
-def _quantity(value: float) -> str:
-    """A Kubernetes quantity for a float target: milli-units keep 0.8 exact (800m)."""
-    milli = round(value * 1000)
-    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
-
-
-def render_children(fm: FlashModel, replicas: int | None = None) -> list[dict[str, Any]]:
+def render_children(fm: FlashModel, replicas: int | None = None, prometheus: str = "") -> list[dict[str, Any]]:
     """Every child, in apply order (the ConfigMap before the pods that mount it)."""
     children = [render_configmap(fm), render_deployment(fm, replicas), render_service(fm), render_pdb(fm)]
-    hpa = render_hpa(fm)
-    if hpa is not None:
-        children.append(hpa)
+    autoscaler = render_autoscaler(fm, prometheus)
+    if autoscaler is not None:
+        children.append(autoscaler)
     return children
 
 
