@@ -16,7 +16,7 @@ from prometheus_client import start_http_server
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
 from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
-from flashmodel_operator.reconcile import reconcile
+from flashmodel_operator.reconcile import forget_model, reconcile
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,13 @@ def _reconcile_latest(namespace: str | None, name: str) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
 def on_flashmodel_change(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def on_flashmodel_deleted(namespace: str | None, name: str, **_: Any) -> None:
+    # optional: no finalizer; the children go with their owner reference, only our metrics stay.
+    if namespace is not None:
+        forget_model(namespace, name)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS,

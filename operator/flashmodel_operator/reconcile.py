@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
@@ -45,6 +47,20 @@ _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Loc
 TRANSIENT_GRACE_SECONDS = float(os.environ.get("FLASHMODEL_TRANSIENT_GRACE_SECONDS", "30"))
 """How long transient API failures (after the client's own retries) may last before a model shows Degraded."""
 _failing_since: dict[tuple[str, str], float] = {}
+MODEL_REPLICAS = Gauge(
+    "flashmodel_operator_model_replicas",
+    "Pods of each FlashModel at the last pass: desired (spec.replicas, the autoscaler's count when it scales), "
+    "ready, prewarmed",
+    ["namespace", "flashmodel", "state"],
+)
+REPLICA_STATES = ("desired", "ready", "prewarmed")
+
+
+def forget_model(namespace: str, name: str) -> None:
+    """Drop a deleted model's series, so the fleet's dashboards show only models that exist."""
+    for state in REPLICA_STATES:
+        with contextlib.suppress(KeyError):  # never set: the model never got a pass
+            MODEL_REPLICAS.remove(namespace, name, state)
 
 
 @dataclass
@@ -256,6 +272,8 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         unschedulable=unschedulable(current_pods),
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
     )
+    for state, value in zip(REPLICA_STATES, (desired, obs.ready_replicas, obs.prewarmed_replicas), strict=True):
+        MODEL_REPLICAS.labels(ns, name, state).set(value)
     new_status.update(
         {
             "replicas": obs.replicas,

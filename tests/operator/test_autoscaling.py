@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 from flashmodel_operator.autoscaling import hpa_name, render_hpa, render_scaled_object, scaler_state, targets
 from flashmodel_operator.conditions import AUTOSCALING, Observation, build_conditions
 from flashmodel_operator.model import FlashModel
+from flashmodel_operator.profiles import t4_node_selector
 from flashmodel_operator.reconcile import unschedulable
 
 from tests.operator.specs import FULL_T4
@@ -136,3 +138,12 @@ def test_a_pending_pod_shows_the_schedulers_reason() -> None:
     ready = {c["type"]: c for c in build_conditions(obs, [], "t")}["Ready"]
     assert ready["reason"] == "Unschedulable" and "didn't match" in ready["message"]
     assert unschedulable([{**pod, "status": {"phase": "Running"}}]) is None
+
+
+def test_the_t4_node_selector_is_the_clusters_setting_and_a_bad_one_is_refused_at_start() -> None:
+    assert t4_node_selector(None) == {"nvidia.com/gpu.product": "Tesla-T4"}
+    gke = '{"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}'
+    assert t4_node_selector(gke) == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}
+    for bad in ("gke-accelerator=t4", "{}", '{"a": 1}', "[]"):
+        with pytest.raises(ValueError, match="FLASHMODEL_T4_NODE_SELECTOR"):
+            t4_node_selector(bad)
