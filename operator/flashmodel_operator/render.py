@@ -17,6 +17,8 @@ from flashmodel_operator.profiles import pod_profile
 
 ENGINE_PORT = 8000
 SHIM_PORT = 8081
+PRE_STOP_SLEEP_SECONDS = 5
+"""Endpoint removal reaches kube-proxy and load balancers within a few seconds."""
 CONFIG_DIR = "/etc/flashmodel"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.yaml"
 AUTH_DIR = f"{CONFIG_DIR}/auth"
@@ -227,6 +229,10 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         "startupProbe": _probe("/startupz", 10, 5, max(1, math.ceil(health.startup_timeout_seconds / 10))),
         "livenessProbe": _probe("/livez", 10, 5, 3),
         "readinessProbe": _probe("/readyz", 5, math.ceil(health.readiness_deadline_seconds) + 1, 2),
+        # A pod being deleted (a scale-down, a rollout) leaves the Service's endpoints while it still
+        # accepts: SIGTERM, which closes vLLM's listener, comes only after clients have stopped
+        # picking it, so no request is sent to a closed port; in-flight ones then drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
         # The launcher writes its preflight verdict here; logs are the fallback for crashes.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
@@ -493,6 +499,7 @@ _ENFORCED_CONTAINER_FIELDS = {
     "startupProbe": "the health shim's probes are how the operator knows the engine state",
     "livenessProbe": "the health shim's probes are how the operator knows the engine state",
     "readinessProbe": "readiness is the shim's one-token generation",
+    "lifecycle": "its preStop sleep keeps a stopping pod serving until it has left the Service's endpoints",
 }
 
 
