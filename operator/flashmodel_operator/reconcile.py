@@ -359,12 +359,10 @@ def _reconcile_autoscaler(
     state = scaler_state(fm, hpa, scaled_object, missing)
     previous = before.get("specReplicas")
     if previous is not None and int(previous) != fm.spec.replicas:
-        by = (
-            f"by HPA {hpa_name(fm)} ({', '.join(state.status.get('metrics') or []) or 'no metrics read'})"
-            if state.status.get("desiredReplicas") == fm.spec.replicas
-            else "(not the HPA's current count: set by hand or by an earlier HPA decision)"
-        )
-        cluster.event(body, "Normal", "Scaled", f"spec.replicas {previous} -> {fm.spec.replicas} {by}")
+        # The HPA writes the scale before its own status, so its numbers may be a sync behind.
+        seen = ", ".join(state.status.get("metrics") or []) or "none"
+        by = f"HPA {hpa_name(fm)} last wanted {state.status.get('desiredReplicas', '?')}; metrics {seen}"
+        cluster.event(body, "Normal", "Scaled", f"spec.replicas {previous} -> {fm.spec.replicas} ({by})")
         log.info("event=scaled model=%s/%s from=%s to=%d", ns, name, previous, fm.spec.replicas)
     state.status["specReplicas"] = fm.spec.replicas
     new_status["autoscaler"] = state.status
