@@ -131,7 +131,12 @@ class Pki:
     def at(cls, d: Path) -> Pki:
         """The paths of the files generate() writes into d."""
         return cls(
-            *(d / f for f in ("ca.crt", "ca.key", "apiserver.crt", "apiserver.key", "admin.crt", "admin.key")),
+            d / "ca.crt",
+            d / "ca.key",
+            d / "apiserver.crt",
+            d / "apiserver.key",
+            d / "admin.crt",
+            d / "admin.key",
             d / "sa.key",
             d / "sa.pub",
             d / "front-proxy-client.crt",
