@@ -105,7 +105,8 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
+def openssl(*args: str, cwd: Path) -> None:
+    """Runs openssl in cwd; raises ControlPlaneError with its stderr if it fails."""
     proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ControlPlaneError(f"openssl {args[0]} failed rc={proc.returncode}: {proc.stderr.strip()}")
@@ -123,15 +124,33 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+    front_proxy_crt: Path
+    front_proxy_key: Path
+
+    @classmethod
+    def at(cls, d: Path) -> Pki:
+        """The paths of the files generate() writes into d."""
+        return cls(
+            d / "ca.crt",
+            d / "ca.key",
+            d / "apiserver.crt",
+            d / "apiserver.key",
+            d / "admin.crt",
+            d / "admin.key",
+            d / "sa.key",
+            d / "sa.pub",
+            d / "front-proxy-client.crt",
+            d / "front-proxy-client.key",
+        )
 
     @classmethod
     def generate(cls, d: Path) -> Pki:
-        """Writes a CA, an apiserver serving cert, a system:masters client cert and SA keys into d."""
+        """Writes a CA, an apiserver serving cert, client certs (admin, front proxy) and SA keys into d."""
         d.mkdir(parents=True, exist_ok=True)
         # P-256 instead of RSA: key generation is instant, which matters on a loaded 2-core CI box.
         key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
         days = ["-days", "3650"]
-        _openssl("req", "-x509", *key, *days, "-subj", "/CN=flashmodel-test-ca",
+        openssl("req", "-x509", *key, *days, "-subj", "/CN=flashmodel-test-ca",
                  "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
         sans = (
             "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,"
@@ -143,23 +162,16 @@ class Pki:
         for name, subj, ext in (
             ("apiserver", "/CN=kube-apiserver", "apiserver.ext"),
             ("admin", "/O=system:masters/CN=flashmodel-admin", "client.ext"),
+            # The aggregation layer's identity towards extension API servers (KEDA's metrics adapter).
+            ("front-proxy-client", "/CN=front-proxy-client", "client.ext"),
         ):
-            _openssl("req", *key, "-subj", subj, "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-            _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            openssl("req", *key, "-subj", subj, "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+            openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                      *days, "-extfile", ext, "-out", f"{name}.crt", cwd=d)  # fmt: skip
         # The service-account token signing key pair (ES256 tokens).
-        _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "sa.key", cwd=d)
-        _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-        return cls(
-            d / "ca.crt",
-            d / "ca.key",
-            d / "apiserver.crt",
-            d / "apiserver.key",
-            d / "admin.crt",
-            d / "admin.key",
-            d / "sa.key",
-            d / "sa.pub",
-        )
+        openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "sa.key", cwd=d)
+        openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+        return cls.at(d)
 
 
 @dataclass
@@ -247,7 +259,8 @@ def wait_until(
         time.sleep(interval)
 
 
-def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    """True if a GET of url answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2, context=context) as resp:
             return bool(resp.status == 200)
@@ -304,6 +317,11 @@ class ControlPlane:
     def kubeconfig(self) -> Path:
         """The admin (system:masters) kubeconfig."""
         return self.dir / "kubeconfig"
+
+    @property
+    def pki(self) -> Pki:
+        """The certificates and keys of this control plane (written by start())."""
+        return Pki.at(self.dir / "pki")
 
     @property
     def server(self) -> str:
@@ -413,13 +431,23 @@ class ControlPlane:
                 # No kubelet runs the apiserver's "kubernetes" Service endpoint; nothing needs it here.
                 "--endpoint-reconciler-type=none",
                 f"--cert-dir={self.dir / 'pki' / 'apiserver-certs'}",
+                # The aggregation layer's front proxy: without it the apiserver calls an extension
+                # API server (KEDA's metrics adapter) with no client cert, the adapter sees
+                # system:anonymous and refuses discovery and every metric read with 403.
+                f"--requestheader-client-ca-file={pki.ca_crt}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki.front_proxy_crt}",
+                f"--proxy-client-key-file={pki.front_proxy_key}",
             ],
         )
         apiserver.start(base_env)
         ctx = self._admin_ssl_context(pki)
         wait_until(
             "kube-apiserver /readyz",
-            lambda: _http_ok(f"{self.server}/readyz", ctx),
+            lambda: http_ok(f"{self.server}/readyz", ctx),
             self.start_timeout,
             apiserver.check_alive,
         )
@@ -452,6 +480,10 @@ class ControlPlane:
                 # renewal made the node controller mark every pod on a healthy node NotReady, which
                 # emptied the Service for seconds. No test here simulates a node failure.
                 "--node-monitor-grace-period=10m",
+                # The HPA acts every sync period (default 15 s); 5 s lets an autoscaling test see
+                # a scale step in seconds. With no HorizontalPodAutoscaler (every other test) the
+                # controller has nothing to sync, so this costs them nothing.
+                "--horizontal-pod-autoscaler-sync-period=5s",
             ],
         )
         scheduler = self._component(
@@ -489,19 +521,19 @@ class ControlPlane:
         insecure.verify_mode = ssl.CERT_NONE
         wait_until(
             "kube-controller-manager /healthz",
-            lambda: _http_ok(f"https://127.0.0.1:{p.controller_manager}/healthz", insecure),
+            lambda: http_ok(f"https://127.0.0.1:{p.controller_manager}/healthz", insecure),
             self.start_timeout,
             kcm.check_alive,
         )
         wait_until(
             "kube-scheduler /healthz",
-            lambda: _http_ok(f"https://127.0.0.1:{p.scheduler}/healthz", insecure),
+            lambda: http_ok(f"https://127.0.0.1:{p.scheduler}/healthz", insecure),
             self.start_timeout,
             scheduler.check_alive,
         )
         wait_until(
             "kwok /healthz",
-            lambda: _http_ok(f"http://127.0.0.1:{p.kwok}/healthz"),
+            lambda: http_ok(f"http://127.0.0.1:{p.kwok}/healthz"),
             self.start_timeout,
             kwok.check_alive,
         )
