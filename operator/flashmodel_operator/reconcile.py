@@ -272,6 +272,12 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         unschedulable=unschedulable(current_pods),
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
     )
+    was_unschedulable = any(
+        c.get("type") == "Ready" and c.get("reason") == "Unschedulable" for c in status.get("conditions") or []
+    )
+    if obs.unschedulable is not None and not was_unschedulable:
+        # News once, when it starts; the scheduler's own FailedScheduling events on the pod repeat.
+        cluster.event(body, "Warning", "Unschedulable", obs.unschedulable)
     for state, value in zip(REPLICA_STATES, (desired, obs.ready_replicas, obs.prewarmed_replicas), strict=True):
         MODEL_REPLICAS.labels(ns, name, state).set(value)
     new_status.update(
