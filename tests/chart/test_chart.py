@@ -404,3 +404,41 @@ def test_service_monitor_is_off_by_default_and_needs_metrics() -> None:
 def test_rbac_create_false_renders_no_roles() -> None:
     docs = render("rbac.create=false")
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
+
+
+def test_engine_pod_monitor_only_where_served_and_relabels_like_the_documented_scrape_job() -> None:
+    assert not by_kind(render(), "PodMonitor")  # no prometheus-operator: nothing to install
+    served = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
+    labels = ["--set", "engineMetrics.podMonitor.labels.release=p"]
+    args = ["template", "fm", str(CHART), "--kube-version", KUBE_VERSION, *served, *labels]
+    monitor = one([d for d in yaml.safe_load_all(helm(*args).stdout) if d], "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "p"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("health", "/metrics")
+    # The same target labels as the plain-Prometheus job: the autoscaler's queries and the dashboard need them.
+    [job] = yaml.safe_load((CHART / "files" / "prometheus-scrape-config.yaml").read_text())
+    documented = {(tuple(r["source_labels"]), r["target_label"]) for r in job["relabel_configs"] if "target_label" in r}
+    assert {(tuple(r["sourceLabels"]), r["targetLabel"]) for r in endpoint["relabelings"]} == documented
+    model_label = "serving.flashmodel.io/model"
+    assert monitor["spec"]["selector"]["matchExpressions"] == [{"key": model_label, "operator": "Exists"}]
+
+
+def test_dashboard_config_map_carries_the_dashboard_json_for_the_grafana_sidecar() -> None:
+    assert not by_kind(render(), "ConfigMap")
+    cm = one(render("dashboards.enabled=true"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["flashmodel-fleet.json"])
+    assert dashboard["uid"] == "flashmodel-fleet" and len(dashboard["panels"]) >= 8
+
+
+def test_operator_gets_the_prometheus_address_and_the_t4_node_selector() -> None:
+    env = container(render("autoscaling.prometheusAddress=http://prom.monitoring.svc:9090"))["env"]
+    assert {"name": "FLASHMODEL_PROMETHEUS_URL", "value": "http://prom.monitoring.svc:9090"} in env
+    selector = next(e["value"] for e in env if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
+    assert json.loads(selector) == {"nvidia.com/gpu.product": "Tesla-T4"}
+    # Helm merges maps: a cluster replaces the GFD label by setting it to null beside its own.
+    gke = container(render("accelerators.t4.nodeSelector.nvidia\\.com/gpu\\.product=null",
+                           "accelerators.t4.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-tesla-t4"))["env"]
+    selector = next(e["value"] for e in gke if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
+    assert json.loads(selector) == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}
