@@ -227,7 +227,7 @@ def test_a_pod_pending_for_lack_of_a_t4_node_says_why_and_schedules_once_one_is_
 
     def unschedulable() -> dict[str, Any]:
         conditions = _status(control_plane, ns, name).get("conditions") or []
-        ready = next((c for c in conditions if c["type"] == "Ready"), {})
+        ready: dict[str, Any] = next((c for c in conditions if c["type"] == "Ready"), {})
         return ready if ready.get("reason") == "Unschedulable" else {}
 
     ready = wait_for("Ready=False Unschedulable", unschedulable, timeout=60)
