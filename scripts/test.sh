@@ -56,5 +56,5 @@ log "event=lint"
 ruff check .
 mypy
 log "event=pytest"
-python -m pytest -q -p no:cacheprovider -rs "$@"
+python -m pytest -q -p no:cacheprovider -rs --durations=25 "$@"
 log "event=done seconds=$(( $(date +%s) - t0 ))"
