@@ -70,19 +70,6 @@ install_staged() {
 }
 
 KEDA_MOD=github.com/kedacore/keda/v2@$KEDA_VERSION
-keda_prefetch_pid=
-if keda_missing && cp_missing; then
-  # Cold machine: fetch KEDA's modules (~1.7 GB, network-bound) while the control plane compiles
-  # (CPU-bound), instead of after it. `go list -deps` downloads exactly what the build will need.
-  log "prefetching component=keda version=$KEDA_VERSION"
-  (
-    dir=$(go mod download -json "$KEDA_MOD" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-    cd "$dir" && go list -deps ./cmd/operator ./cmd/adapter >/dev/null
-    log "prefetched component=keda seconds=$(( $(date +%s) - START ))"
-  ) &
-  keda_prefetch_pid=$!
-fi
-
 build_control_plane() {
   mkdir -p "$BIN_DIR"
   # One builder at a time: two pytest sessions starting together must not race on the same files.
@@ -173,10 +160,8 @@ build_keda() {
   exec 8>&-
 }
 
+# KEDA after the control plane, in this one job: both are CPU-bound compiles, so side by side on
+# 2 cores they would only take turns, while scripts/test.sh runs the venv download beside this job.
 if cp_missing; then build_control_plane; fi
-if [[ -n $keda_prefetch_pid ]]; then
-  # A failed prefetch is not fatal: the build downloads what is still missing and says why.
-  wait "$keda_prefetch_pid" || log "warning=keda-prefetch-failed"
-fi
 if keda_missing; then build_keda; fi
 echo "$BIN_DIR"
