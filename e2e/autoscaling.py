@@ -1,4 +1,4 @@
-"""Real autoscaling parts for e2e: Prometheus (Debian package), KEDA operator and metrics adapter, as processes."""
+"""Real autoscaling parts for e2e: Prometheus, KEDA's operator and metrics adapter, as local processes."""
 
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ log = logging.getLogger("flashmodel.e2e.autoscaling")
 
 SCRAPE_CONFIG = REPO_ROOT / "charts" / "flashmodel-operator" / "files" / "prometheus-scrape-config.yaml"
 """The documented scrape config for engine pods; the test Prometheus runs exactly these jobs."""
-PROMETHEUS_INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus (scripts/test.sh does it as root)"
 
 KEDA_NAMESPACE = "keda"
 KEDA_SERVICE = "keda-metrics-apiserver"
@@ -98,6 +97,19 @@ class Sample:
     timestamp: float
 
 
+def prometheus_dir() -> Path:
+    """The directory with the `prometheus` binary that scripts/testbin.sh builds (Kubernetes SD included)."""
+    return _testbin_print("FLASHMODEL_PROMETHEUS", "--print-prometheus-dir")
+
+
+def _testbin_print(override_var: str, option: str) -> Path:
+    override = os.environ.get(override_var)
+    if override:
+        return Path(override)
+    out = subprocess.run([str(TESTBIN_SCRIPT), option], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 def scrape_jobs(cp: ControlPlane, source: Path = SCRAPE_CONFIG) -> list[dict[str, Any]]:
     """The documented scrape jobs, each kubernetes_sd_configs entry pointed at cp's API server.
 
@@ -119,7 +131,7 @@ def scrape_jobs(cp: ControlPlane, source: Path = SCRAPE_CONFIG) -> list[dict[str
 
 
 class Prometheus:
-    """Debian's `prometheus` on a free loopback port, scraping with the documented config.
+    """Prometheus (built by scripts/testbin.sh) on a free loopback port, scraping with the documented config.
 
     Usage: ``with Prometheus(cp) as prom: prom.wait_for_series('up{job="flashmodel-engines"}')``.
     stop() and start() end and restart the same server (same port, same data), so a test can
@@ -133,10 +145,12 @@ class Prometheus:
         scrape_interval: str = "2s",
         extra_jobs: Iterable[dict[str, Any]] = (),
         start_timeout: float = 60,
+        binary: Path | None = None,
     ) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise AutoscalingPartsError(f"prometheus is not on PATH; install it: {PROMETHEUS_INSTALL_HINT}")
+        binary = prometheus_dir() / "prometheus" if binary is None else binary
+        if not os.access(binary, os.X_OK):
+            # Not Debian's package from PATH: it is built without Kubernetes service discovery.
+            raise AutoscalingPartsError(f"prometheus not found at {binary}; run scripts/testbin.sh")
         self.cp = cp
         self._owns_workdir = workdir is None
         self.dir = Path(tempfile.mkdtemp(prefix="flashmodel-prom-")) if workdir is None else workdir
@@ -152,7 +166,7 @@ class Prometheus:
         self.component = Component(
             "prometheus",
             [
-                binary,
+                str(binary),
                 f"--config.file={self.config_path}",
                 f"--storage.tsdb.path={self.dir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
@@ -261,11 +275,7 @@ class Prometheus:
 
 def keda_dir() -> Path:
     """The directory with KEDA's operator, adapter and crds/ (scripts/testbin.sh builds it)."""
-    override = os.environ.get("FLASHMODEL_KEDA")
-    if override:
-        return Path(override)
-    out = subprocess.run([str(TESTBIN_SCRIPT), "--print-keda-dir"], capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
+    return _testbin_print("FLASHMODEL_KEDA", "--print-keda-dir")
 
 
 class Keda:
