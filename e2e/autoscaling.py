@@ -511,6 +511,7 @@ class Keda:
             if self._closed:
                 return
             self._closed = True
+        t0 = time.monotonic()
         try:
             self._delete_scaled_objects()
         finally:
@@ -519,6 +520,7 @@ class Keda:
             # (and the namespace controller's deletion of whole namespaces).
             self.cp.kubectl("delete", "apiservice", EXTERNAL_METRICS_APISERVICE, "--ignore-not-found", check=False)
             atexit.unregister(self.close)
+            log.info("event=keda-closed seconds=%.1f", time.monotonic() - t0)
             if self._owns_workdir and os.environ.get("FLASHMODEL_KEEP_CLUSTER_DIR") != "1":
                 shutil.rmtree(self.dir, ignore_errors=True)
 
