@@ -146,7 +146,9 @@ class Prometheus:
         extra_jobs: Iterable[dict[str, Any]] = (),
         start_timeout: float = 60,
         binary: Path | None = None,
+        port: int | None = None,
     ) -> None:
+        """`port`: a port chosen before start, when another process (the operator) must know the URL."""
         binary = prometheus_dir() / "prometheus" if binary is None else binary
         if not os.access(binary, os.X_OK):
             # Not Debian's package from PATH: it is built without Kubernetes service discovery.
@@ -155,7 +157,7 @@ class Prometheus:
         self._owns_workdir = workdir is None
         self.dir = Path(tempfile.mkdtemp(prefix="flashmodel-prom-")) if workdir is None else workdir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_ports(1)[0]
+        self.port = free_ports(1)[0] if port is None else port
         self.start_timeout = start_timeout
         self.config_path = self.dir / "prometheus.yml"
         config = {
@@ -271,6 +273,21 @@ class Prometheus:
 
 
 # -- KEDA ----------------------------------------------------------------------------------------
+
+
+def install_keda_crds(cp: ControlPlane, bin_dir: Path | None = None) -> None:
+    """KEDA's CRDs alone: ScaledObjects are then served (and stored) with no KEDA running."""
+    # --server-side: the ScaledJob CRD is too big for the last-applied annotation.
+    crds = (keda_dir() if bin_dir is None else bin_dir) / "crds"
+    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crds))
+
+    def established() -> bool:
+        # Not `kubectl wait`: it fails at once while a just-created CRD has no status yet.
+        crd = json.loads(cp.kubectl("get", "crd", "scaledobjects.keda.sh", "-o", "json").stdout)
+        conditions = (crd.get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+    wait_until("CRD scaledobjects.keda.sh established", established, 60)
 
 
 def keda_dir() -> Path:
@@ -396,8 +413,7 @@ class Keda:
         """TLS material, KEDA's CRDs, namespace keda, the ExternalName Service and the APIService."""
         t0 = time.monotonic()
         self._write_certs()
-        # --server-side: the ScaledJob CRD is too big for the last-applied annotation.
-        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(self.bin_dir / "crds"))
+        install_keda_crds(self.cp, self.bin_dir)
         ca_bundle = base64.b64encode((self.certs / "ca.crt").read_bytes()).decode()
         docs: list[dict[str, Any]] = [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KEDA_NAMESPACE}},

@@ -685,7 +685,13 @@ class ControlPlane:
     # -- fake T4 nodes ---------------------------------------------------------------------
 
     def add_t4_nodes(
-        self, n: int, gpus: int = 1, kwok_taint: bool = True, gpu_taint: bool = False, timeout: float = 60
+        self,
+        n: int,
+        gpus: int = 1,
+        kwok_taint: bool = True,
+        gpu_taint: bool = False,
+        timeout: float = 60,
+        labels: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Creates n kwok-managed nodes shaped like g4dn.xlarge T4 nodes; returns their names once Ready."""
         names: list[str] = []
@@ -694,7 +700,7 @@ class ControlPlane:
             name = f"t4-node-{self._node_count}"
             self._node_count += 1
             names.append(name)
-            docs.append(t4_node(name, gpus=gpus, kwok_taint=kwok_taint, gpu_taint=gpu_taint))
+            docs.append(t4_node(name, gpus=gpus, kwok_taint=kwok_taint, gpu_taint=gpu_taint, labels=labels))
         self.kubectl("create", "-f", "-", input=yaml.safe_dump_all(docs))
         self.kubectl(
             "wait",
@@ -707,7 +713,9 @@ class ControlPlane:
         return names
 
 
-def t4_node(name: str, gpus: int = 1, kwok_taint: bool = True, gpu_taint: bool = False) -> dict[str, Any]:
+def t4_node(
+    name: str, gpus: int = 1, kwok_taint: bool = True, gpu_taint: bool = False, labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """A Node manifest for a fake T4 node (status included: Node create keeps it, kwok keeps capacity)."""
     # g4dn.xlarge: 4 vCPU, 16 GiB, one T4 -- the cheapest T4 shape users run.
     resources = {
@@ -732,6 +740,7 @@ def t4_node(name: str, gpus: int = 1, kwok_taint: bool = True, gpu_taint: bool =
                 "nvidia.com/gpu.product": T4_PRODUCT,
                 "nvidia.com/gpu.count": str(gpus),
                 "nvidia.com/gpu.memory": "15360",
+                **(labels or {}),
             },
         },
         "spec": {"taints": taints},

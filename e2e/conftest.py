@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.cluster import ControlPlane
+from e2e.cluster import ControlPlane, free_ports
 from e2e.fault_proxy import FaultProxy
 from e2e.operator_run import (
     chart_service_account,
@@ -39,6 +39,12 @@ OperatorMetric = Callable[[str, dict[str, str]], float]
 
 
 @pytest.fixture(scope="session")
+def prometheus_port() -> int:
+    """The port the autoscaling tests' Prometheus listens on: the operator points KEDA's triggers there."""
+    return free_ports(1)[0]
+
+
+@pytest.fixture(scope="session")
 def operator_metric(operator: Path, operator_metrics_port: int) -> OperatorMetric:
     """operator_metric(sample name, labels) -> its value scraped from the running operator now (0 if absent)."""
 
@@ -61,6 +67,7 @@ def fault_proxy(control_plane: ControlPlane) -> Iterator[FaultProxy]:
 def operator(
     control_plane: ControlPlane,
     operator_metrics_port: int,
+    prometheus_port: int,
     fault_proxy: FaultProxy,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Path]:
@@ -84,6 +91,7 @@ def operator(
         "FLASHMODEL_MONITOR_SECONDS": "2",
         "FLASHMODEL_REMEDIATION_BACKOFF_SECONDS": str(REMEDIATION_BACKOFF_SECONDS),
         "FLASHMODEL_METRICS_PORT": str(operator_metrics_port),
+        "FLASHMODEL_PROMETHEUS_URL": f"http://127.0.0.1:{prometheus_port}",
     }
     with running_operator(kubeconfig, log, extra_env=env) as proc:
         yield log

@@ -90,6 +90,9 @@ class EnginePod:
     ready: bool = False
     restarts: int = 0
     deleting_since: float | None = None
+    sigterm_sent: bool = False
+    pre_stop_sleep: float = 0.0
+    """The container's lifecycle.preStop.sleep.seconds: the kubelet waits this long before SIGTERM."""
     hog_file: Path = field(default_factory=Path)
     readiness_probe: dict[str, Any] = field(default_factory=dict)
     """The container's readinessProbe, honoured like the kubelet: period, timeout, failureThreshold."""
@@ -291,6 +294,8 @@ class EngineKubelet:
             hog_file=hog,
             restarts=self._restarts.get(name, 0),
             readiness_probe=container.get("readinessProbe") or {},
+            pre_stop_sleep=float((((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get(
+                "seconds", 0)),
         )
         with self.lock:
             self.pods[name] = engine_pod
@@ -408,7 +413,11 @@ class EngineKubelet:
     def _terminate(self, engine_pod: EnginePod) -> None:
         if engine_pod.deleting_since is None:
             engine_pod.deleting_since = time.monotonic()
-            log.info("event=engine-terminating pod=%s pid=%d", engine_pod.name, engine_pod.proc.pid)
+            log.info("event=engine-terminating pod=%s pid=%d pre_stop_sleep=%.0f", engine_pod.name,
+                     engine_pod.proc.pid, engine_pod.pre_stop_sleep)
+        # Like the kubelet: the preStop hook (a sleep) runs first, inside the grace period, then SIGTERM.
+        if not engine_pod.sigterm_sent and time.monotonic() - engine_pod.deleting_since >= engine_pod.pre_stop_sleep:
+            engine_pod.sigterm_sent = True
             self._signal(engine_pod, signal.SIGTERM)
         done = engine_pod.proc.poll() is not None
         if not done and time.monotonic() - engine_pod.deleting_since > engine_pod.grace:

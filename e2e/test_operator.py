@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from e2e.autoscaling import install_keda_crds
 from e2e.cluster import ControlPlane
 from e2e.operator_run import create_model_volume, get_json, wait_for
 
@@ -57,6 +58,7 @@ def test_examples_reconcile_into_scheduled_t4_pods(
     control_plane: ControlPlane, operator: Path, k8s_namespace: str
 ) -> None:
     ns = k8s_namespace
+    install_keda_crds(control_plane)  # the autoscaling example's ScaledObject needs the kind served, not KEDA
     docs = [d for f in sorted((ROOT / "examples").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
     models = [d for d in docs if d["kind"] == "FlashModel"]
     assert models, "examples/ holds no FlashModel"
@@ -84,9 +86,10 @@ def test_examples_reconcile_into_scheduled_t4_pods(
             obj = get_json(control_plane, kind, child, "-n", ns)
             assert obj["metadata"]["ownerReferences"][0]["name"] == name
         if doc["spec"].get("autoscaling"):
-            hpa = get_json(control_plane, "hpa", name, "-n", ns)
-            assert hpa["spec"]["maxReplicas"] == doc["spec"]["autoscaling"]["maxReplicas"]
-            assert hpa["spec"]["scaleTargetRef"] == {
+            # The default scaler is KEDA: a ScaledObject on the FlashModel's scale subresource.
+            so = wait_for(f"ScaledObject {name}", lambda n=name: get_json(control_plane, "scaledobject", n, "-n", ns))
+            assert so["spec"]["maxReplicaCount"] == doc["spec"]["autoscaling"]["maxReplicas"]
+            assert so["spec"]["scaleTargetRef"] == {
                 "apiVersion": "serving.flashmodel.io/v1alpha1",
                 "kind": "FlashModel",
                 "name": name,
@@ -205,3 +208,38 @@ def test_scale_edit_delete_lifecycle(control_plane: ControlPlane, operator: Path
             ),
             timeout=60,
         )
+
+
+def test_a_pod_pending_for_lack_of_a_t4_node_says_why_and_schedules_once_one_is_added(
+    control_plane: ControlPlane, operator: Path, k8s_namespace: str
+) -> None:
+    # cluster-autoscaler cannot be built here (the module proxy refuses k8s.io/autoscaler), so the
+    # test plays it: it adds the node a scale-up would add, and the pod must land on it.
+    ns, name, pool = k8s_namespace, "burst", "t4-burst"
+    unattended = {"metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}}}
+    spec = {
+        "model": {"pvc": {"claimName": "models", "path": "qwen"}},
+        "nodeSelector": {"cloud.example/pool": pool},
+        "podTemplatePatch": unattended,
+    }
+    create_model_volume(control_plane, ns, "models")
+    _apply(control_plane, ns, _fm(name, spec))
+
+    def unschedulable() -> dict[str, Any]:
+        ready = _condition(_status(control_plane, ns, name), "Ready")
+        return ready if ready.get("reason") == "Unschedulable" else {}
+
+    ready = wait_for("Ready=False Unschedulable", unschedulable, timeout=60)
+    # The scheduler's own words: which nodes it tried and why none fits.
+    assert "node affinity/selector" in ready["message"], ready
+    events = get_json(control_plane, "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+    assert any(e["reason"] == "Unschedulable" and e["type"] == "Warning" for e in events), events
+
+    node = control_plane.add_t4_nodes(1, kwok_taint=False, gpu_taint=True, labels={"cloud.example/pool": pool})[0]
+
+    def placed() -> list[str]:
+        pods = get_json(control_plane, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={name}")["items"]
+        return [p["spec"].get("nodeName", "") for p in pods if p["spec"].get("nodeName")]
+
+    assert wait_for(f"pod scheduled on {node}", placed, timeout=60) == [node]
+    wait_for("Ready no longer Unschedulable", lambda: not unschedulable(), timeout=60)

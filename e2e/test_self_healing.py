@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
-import http.client
 import json
 import os
 import signal
@@ -31,6 +30,7 @@ from kubernetes import client
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
 from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
 from e2e.kubelet import EngineKubelet
+from e2e.load import Load
 from e2e.operator_run import get_json, scrape, wait_for
 
 pytestmark = [
@@ -64,111 +64,6 @@ def tiny_model() -> Path:
     from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model()
-
-
-@dataclass
-class Load:
-    """A steady client load through the Service's ready endpoints, counting what happened to each request."""
-
-    cp: ControlPlane
-    namespace: str
-    accepted: int = 0
-    completed: int = 0
-    lost: list[str] = field(default_factory=list)
-    """Requests an engine accepted (the connection was made and the request sent) that never completed."""
-    refused: int = 0
-    min_ready_endpoints: int = 99
-    min_ready_seen: str = ""
-    """When the fewest ready endpoints were seen, and the EndpointSlices then (for the failure message)."""
-    drained_at_zero: list[str] = field(default_factory=list)
-    """Moments with no ready endpoint while the operator had a pod drained (its gate off for a remediation)."""
-    stop: threading.Event = field(default_factory=threading.Event)
-    endpoints: list[str] = field(default_factory=list)
-
-    def refresh(self) -> None:
-        while not self.stop.is_set():
-            slices = get_json(
-                self.cp, "endpointslices", "-n", self.namespace, "-l", f"kubernetes.io/service-name={MODEL}"
-            )["items"]
-            ready = [
-                a
-                for s in slices
-                for e in s.get("endpoints") or []
-                if (e.get("conditions") or {}).get("ready")
-                for a in e["addresses"]
-            ]
-            self.endpoints = ready
-            if not ready:
-                drained = [
-                    p["metadata"]["name"]
-                    for p in _pods(self.cp, self.namespace)
-                    for c in p["status"].get("conditions") or []
-                    if c["type"] == PREWARM_GATE
-                    and c["status"] != "True"
-                    and c.get("reason") in (MEMORY_DIVERGENCE, GENERATION_HUNG)
-                ]
-                if drained:
-                    self.drained_at_zero.append(f"{time.strftime('%H:%M:%S')}: drained {drained}")
-            if len(ready) < self.min_ready_endpoints:
-                self.min_ready_endpoints = len(ready)
-                # Why the pods were not ready (which condition, set by whom) for the failure message.
-                why = {
-                    p["metadata"]["name"]: [
-                        (c["type"], c["status"], c.get("reason"), c.get("message"))
-                        for c in p["status"].get("conditions") or []
-                        if c["status"] != "True"
-                    ]
-                    for p in _pods(self.cp, self.namespace)
-                }
-                self.min_ready_seen = f"{time.strftime('%H:%M:%S')}: unready conditions {why}; slices {slices}"
-            self.stop.wait(0.3)
-
-    def client(self, worker: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            targets = list(self.endpoints)
-            if not targets:
-                time.sleep(0.2)
-                continue
-            ip = targets[(worker + n) % len(targets)]
-            n += 1
-            conn = http.client.HTTPConnection(ip, 8000, timeout=60)
-            try:
-                conn.connect()
-            except OSError:
-                self.refused += 1  # never accepted: a load balancer retries elsewhere
-                time.sleep(0.05)
-                continue
-            body = json.dumps(
-                {"model": "tiny", "prompt": "the valve on line three was inspected", "max_tokens": 8, "temperature": 0}
-            )
-            try:
-                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-                self.accepted += 1
-                resp = conn.getresponse()
-                data = resp.read()
-                if resp.status == 200 and json.loads(data)["choices"][0]["text"] is not None:
-                    self.completed += 1
-                else:
-                    self.lost.append(f"{ip}: HTTP {resp.status} {data[:200]!r}")
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                self.lost.append(f"{ip}: {type(exc).__name__}: {exc}")
-            finally:
-                conn.close()
-            # A steady trickle, not a flood: the divergence signal counts only while the engine is idle-ish.
-            time.sleep(0.1)
-
-    def __enter__(self) -> Load:
-        self.threads = [threading.Thread(target=self.refresh, daemon=True)]
-        self.threads += [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(2)]
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=90)
 
 
 def _pods(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
@@ -394,7 +289,7 @@ def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
                 gone_at.setdefault(name, time.monotonic())
         return sorted(gone_at, key=gone_at.__getitem__)
 
-    with Load(control_plane, ns) as load:
+    with Load(control_plane, ns, MODEL) as load:
         wait_for("load flowing", lambda: load.completed >= 5, timeout=60)
         t0 = time.monotonic()
         # Both engines' own API-server processes grow by 1.5 GiB (a real allocation the reading sees):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashmodel_engine.config import RemediationSettings
@@ -192,6 +192,13 @@ class EngineMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests_per_second = Gauge("flashmodel_requests_per_second",
                                          "Client requests finished per second (30 s window).", registry=r)
+        # A counter for PromQL's rate() (what the autoscaler's queries use); the gauge above is the
+        # same rate over the shim's own window, for an HPA on Pods metrics through an adapter.
+        self.requests_finished = Counter("flashmodel_requests_finished",
+                                         "Client requests vLLM finished (the shim's probes and prewarm excluded).",
+                                         registry=r)
+        self.requests_waiting = Gauge("flashmodel_requests_waiting", "Requests waiting in vLLM's queue.",
+                                      registry=r)
         self.kv_cache_usage = Gauge("flashmodel_kv_cache_usage_ratio",
                                     "vLLM KV-cache usage, 0..1 (either vLLM metric name).", registry=r)
         self.divergence_ratio = Gauge("flashmodel_memory_divergence_ratio",
@@ -229,12 +236,25 @@ class EngineMetrics:
         self.prewarm_succeeded.set(0)
         self.divergence = DivergenceTracker(settings)
         self._success: deque[tuple[float, float]] = deque()
+        self._success_seen: float | None = None
+        self._client_high = 0.0
 
     def observe_engine(self, now: float, sample: EngineSample, own_requests: float) -> None:
         if sample.kv_cache_usage is not None:
             self.kv_cache_usage.set(sample.kv_cache_usage)
+        self.requests_waiting.set(sample.waiting)
         # Our own probes and warm-ups are not client traffic.
-        self._success.append((now, sample.request_success_total - own_requests))
+        client = sample.request_success_total - own_requests
+        if self._success_seen is None or sample.request_success_total < self._success_seen:
+            # The first sample, or a restarted vLLM counting from zero: the counter goes on from here.
+            self._client_high = client
+        elif client > self._client_high:
+            # A probe counts in own_requests when it starts and in vLLM's total when it ends, so the
+            # client count dips while one runs; only a new high is client traffic.
+            self.requests_finished.inc(client - self._client_high)
+            self._client_high = client
+        self._success_seen = sample.request_success_total
+        self._success.append((now, client))
         while self._success and now - self._success[0][0] > RATE_WINDOW_SECONDS:
             self._success.popleft()
         (t0, c0), (t1, c1) = self._success[0], self._success[-1]

@@ -1,4 +1,4 @@
-"""Status conditions (Ready, Progressing, Degraded) as a pure function of what was observed."""
+"""Status conditions (Ready, Progressing, Degraded, Autoscaling) as a pure function of what was observed."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+AUTOSCALING = "Autoscaling"
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class Observation:
     deployment_generation_observed: bool = False
     """The Deployment controller has seen the latest pod template."""
     problem: Problem | None = None
+    unschedulable: str | None = None
+    """The scheduler's reason a pod of the model is Pending (no node with a free T4, say), with the pod's name."""
+    autoscaling: tuple[bool, str, str] | None = None
+    """(active, reason, message) of the model's autoscaler; None without spec.autoscaling."""
 
 
 def _condition(
@@ -57,7 +62,7 @@ def _condition(
 
 
 def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str) -> list[dict[str, Any]]:
-    """The three conditions for this pass; `previous` keeps transition times stable."""
+    """The conditions for this pass; `previous` keeps transition times stable."""
     before = {c.get("type", ""): c for c in previous}
     gen = obs.generation
     want = obs.desired_replicas
@@ -93,10 +98,17 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
         # Ready by the kubelet, but the operator did not see every pod prewarm (its gate was set by another).
         msg = f"{obs.ready_replicas}/{want} pods ready, {obs.prewarmed_replicas} prewarmed by the operator"
         ready = _condition(READY, False, "NotPrewarmed", msg, gen, before, now)
+    elif obs.unschedulable is not None:
+        msg = f"{obs.ready_replicas}/{want} pods ready; {obs.unschedulable}"
+        ready = _condition(READY, False, "Unschedulable", msg, gen, before, now)
     else:
         msg = f"{obs.ready_replicas}/{want} pods ready"
         ready = _condition(READY, False, "ReplicasNotReady", msg, gen, before, now)
-    return [ready, progressing, degraded]
+    conditions = [ready, progressing, degraded]
+    if obs.autoscaling is not None:
+        active, reason, message = obs.autoscaling
+        conditions.append(_condition(AUTOSCALING, active, reason, message, gen, before, now))
+    return conditions
 
 
 def same_conditions(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:

@@ -18,9 +18,18 @@ from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, transient
-from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.conditions import READY
-from flashmodel_operator.remediation import Decision, ModelBudget, PodHealth, decide, serving_pods
+from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.remediation import (
+    GENERATION_HUNG,
+    MEMORY_DIVERGENCE,
+    PREWARM_FAILED,
+    Decision,
+    ModelBudget,
+    PodHealth,
+    decide,
+    serving_pods,
+)
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.shim_client import ShimClient
 
@@ -37,6 +46,11 @@ ENDPOINT_PROPAGATION_SECONDS = float(os.environ.get("FLASHMODEL_ENDPOINT_PROPAGA
 
 REMEDIATIONS = Counter("flashmodel_operator_remediations_total", "Pods drained and evicted", ["reason"])
 PREWARMS = Counter("flashmodel_operator_prewarms_total", "Prewarm runs against engine pods", ["result"])
+# Every label value exported from the start at 0, so rate() and increase() see the first one.
+for _reason in (MEMORY_DIVERGENCE, GENERATION_HUNG, PREWARM_FAILED):
+    REMEDIATIONS.labels(reason=_reason)
+for _result in ("succeeded", "failed"):
+    PREWARMS.labels(result=_result)
 
 T = TypeVar("T")
 

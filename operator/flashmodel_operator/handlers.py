@@ -16,7 +16,7 @@ from prometheus_client import start_http_server
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
 from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
-from flashmodel_operator.reconcile import reconcile
+from flashmodel_operator.reconcile import forget_model, reconcile
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,13 @@ def on_flashmodel_change(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
 
 
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def on_flashmodel_deleted(namespace: str | None, name: str, **_: Any) -> None:
+    # optional: no finalizer; the children go with their owner reference, only our metrics stay.
+    if namespace is not None:
+        forget_model(namespace, name)
+
+
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS,
             backoff=HANDLER_BACKOFF_SECONDS)
 def resync(namespace: str | None, name: str, **_: Any) -> None:
@@ -146,6 +153,15 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
     # Pods belong to ReplicaSets; the model label names the FlashModel directly.
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model:
+        _reconcile_latest(namespace, model)
+
+
+@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels={f"{GROUP}/model": kopf.PRESENT})
+def on_hpa_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
+    # The HPA's status (its metrics, the replica count it wants, why it cannot scale) goes into the
+    # FlashModel's Autoscaling condition. KEDA's HPA carries the ScaledObject's labels, the model's included.
+    model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
+    if model and type != "DELETED":
         _reconcile_latest(namespace, model)
 
 

@@ -100,12 +100,18 @@ class RemediationSpec(_Spec):
 
 
 class AutoscalingSpec(_Spec):
-    """HPA bounds and targets; the HPA scales the FlashModel through its scale subresource."""
+    """Replica bounds and per-replica targets; the autoscaler scales the FlashModel through its scale subresource."""
 
-    min_replicas: int = 1
-    max_replicas: int = 4
+    scaler: Literal["keda", "hpa"] = "keda"
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int
     target_requests_per_second: float = 8
+    target_queue_depth: float | None = None
     target_kv_cache_usage: float | None = Field(default=None, alias="targetKVCacheUsage")
+    target_ttft_milliseconds: float | None = Field(default=None, alias="targetTTFTMilliseconds")
+    window_seconds: int = 60
+    scale_up_stabilization_seconds: int = 60
+    scale_down_stabilization_seconds: int = 300
 
 
 class SecretKeyRef(_Spec):

@@ -7,8 +7,34 @@ command line from one function.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+T4_NODE_SELECTOR_ENV = "FLASHMODEL_T4_NODE_SELECTOR"
+# The label NVIDIA GPU feature discovery puts on T4 nodes. A node has it only once it booted and
+# GFD ran, so a cluster autoscaler scaling a pool up from zero cannot match it: clusters set the
+# label their T4 pools carry from creation instead (chart value accelerators.t4.nodeSelector).
+GFD_T4_SELECTOR = {"nvidia.com/gpu.product": "Tesla-T4"}
+
+
+def t4_node_selector(raw: str | None) -> dict[str, str]:
+    """The cluster's T4 node selector from its JSON setting; the GFD label when unset."""
+    if not raw:
+        return dict(GFD_T4_SELECTOR)
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{T4_NODE_SELECTOR_ENV} is not JSON ({exc}): give an object of node labels") from None
+    if not isinstance(value, dict) or not value or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(
+            f"{T4_NODE_SELECTOR_ENV}={raw!r}: give a non-empty JSON object of node labels to strings, "
+            '{"nvidia.com/gpu.product": "Tesla-T4"} for example'
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -34,8 +60,7 @@ _GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoS
 PROFILES: dict[str, PodProfile] = {
     "t4": PodProfile(
         name="t4",
-        # The label NVIDIA GPU feature discovery puts on T4 nodes (cloud T4 pools carry it too).
-        node_selector={"nvidia.com/gpu.product": "Tesla-T4"},
+        node_selector=t4_node_selector(os.environ.get(T4_NODE_SELECTOR_ENV)),
         tolerations=(_GPU_TOLERATION,),
         limits={"nvidia.com/gpu": "1"},
         env={"VLLM_USE_FLASHINFER_SAMPLER": "0"},

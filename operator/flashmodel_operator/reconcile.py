@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -14,10 +15,12 @@ from typing import Any
 
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
+from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.gating import gate_is_true
 from flashmodel_operator.model import FlashModel
@@ -27,6 +30,7 @@ from flashmodel_operator.render import (
     control_secret_name,
     engine_config,
     pod_template_problems,
+    render_autoscaler,
     render_children,
     render_control_secret,
     render_pod_template,
@@ -43,6 +47,20 @@ _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Loc
 TRANSIENT_GRACE_SECONDS = float(os.environ.get("FLASHMODEL_TRANSIENT_GRACE_SECONDS", "30"))
 """How long transient API failures (after the client's own retries) may last before a model shows Degraded."""
 _failing_since: dict[tuple[str, str], float] = {}
+MODEL_REPLICAS = Gauge(
+    "flashmodel_operator_model_replicas",
+    "Pods of each FlashModel at the last pass: desired (spec.replicas, the autoscaler's count when it scales), "
+    "ready, prewarmed",
+    ["namespace", "flashmodel", "state"],
+)
+REPLICA_STATES = ("desired", "ready", "prewarmed")
+
+
+def forget_model(namespace: str, name: str) -> None:
+    """Drop a deleted model's series, so the fleet's dashboards show only models that exist."""
+    for state in REPLICA_STATES:
+        with contextlib.suppress(KeyError):  # never set: the model never got a pass
+            MODEL_REPLICAS.remove(namespace, name, state)
 
 
 @dataclass
@@ -198,7 +216,8 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     if control_missing and cluster.create(render_control_secret(fm, secrets.token_urlsafe(32))):
         log.info("event=control-secret-created model=%s/%s", ns, name)
 
-    children = render_children(fm, replicas=0 if held else None)
+    # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
+    children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
     if secret_missing:
         # A pod without its key would serve without authentication or crash-loop on the missing mount;
         # the Secret's arrival triggers a pass within seconds (handlers.wait_for_auth_secret).
@@ -230,10 +249,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         if result != "unchanged":
             cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {child['metadata']['name']}")
             log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
-    removed_hpa = fm.spec.autoscaling is None and status.get("autoscaling")
-    if removed_hpa and cluster.delete("autoscaling/v2", "HorizontalPodAutoscaler", ns, name):
-        cluster.event(body, "Normal", "Deleted", f"deleted HorizontalPodAutoscaler {name}: spec.autoscaling removed")
-    new_status["autoscaling"] = fm.spec.autoscaling is not None
+    scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
     deployment = cluster.get("apps/v1", "Deployment", ns, name) or {}
     dep_status = deployment.get("status") or {}
@@ -253,7 +269,17 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         deployment_generation_observed=int(dep_status.get("observedGeneration", 0))
         >= int(deployment.get("metadata", {}).get("generation", 1)),
         problem=problem,
+        unschedulable=unschedulable(current_pods),
+        autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
     )
+    was_unschedulable = any(
+        c.get("type") == "Ready" and c.get("reason") == "Unschedulable" for c in status.get("conditions") or []
+    )
+    if obs.unschedulable is not None and not was_unschedulable:
+        # News once, when it starts; the scheduler's own FailedScheduling events on the pod repeat.
+        cluster.event(body, "Warning", "Unschedulable", obs.unschedulable)
+    for state, value in zip(REPLICA_STATES, (desired, obs.ready_replicas, obs.prewarmed_replicas), strict=True):
+        MODEL_REPLICAS.labels(ns, name, state).set(value)
     new_status.update(
         {
             "replicas": obs.replicas,
@@ -269,6 +295,84 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     outcome.problem = problem
     _write_status(cluster, body, new_status, obs, outcome)
     return outcome
+
+
+_AUTOSCALER_API = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}
+
+
+def unschedulable(pods: list[dict[str, Any]]) -> str | None:
+    """The scheduler's word on the first Pending pod it could not place, for the Ready condition."""
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") != "Pending" or pod["metadata"].get("deletionTimestamp"):
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return f"pod {pod['metadata']['name']} unschedulable: {c.get('message') or 'no reason given'}"
+    return None
+
+
+def _reconcile_autoscaler(
+    cluster: Cluster,
+    body: dict[str, Any],
+    fm: FlashModel,
+    status: dict[str, Any],
+    new_status: dict[str, Any],
+    outcome: Outcome,
+) -> ScalerState | None:
+    """Apply the model's ScaledObject or HPA, remove the one it no longer wants, and read what its HPA says."""
+    ns, name = fm.namespace, fm.name
+    scaling = fm.spec.autoscaling
+    wanted = None if scaling is None else ("ScaledObject" if scaling.scaler == "keda" else "HorizontalPodAutoscaler")
+    before = status.get("autoscaler") or {}
+    # status.autoscaling alone (no status.autoscaler) is what an HPA-only operator recorded.
+    had = before.get("kind") or ("HorizontalPodAutoscaler" if status.get("autoscaling") else None)
+    if had in _AUTOSCALER_API and had != wanted and cluster.delete(_AUTOSCALER_API[had], had, ns, name):
+        why = "spec.autoscaling removed" if scaling is None else f"spec.autoscaling.scaler is now {scaling.scaler}"
+        cluster.event(body, "Normal", "Deleted", f"deleted {had} {name}: {why}")
+    new_status["autoscaling"] = scaling is not None
+    if scaling is None:
+        new_status["autoscaler"] = None
+        return None
+
+    missing: str | None = None
+    server = prometheus_url()
+    if scaling.scaler == "keda" and not server:
+        missing = (
+            f"no Prometheus address for KEDA's triggers: set the chart value autoscaling.prometheusAddress "
+            f"(operator env {PROMETHEUS_URL_ENV}), or use spec.autoscaling.scaler: hpa with a metrics adapter"
+        )
+    child = None if missing else render_autoscaler(fm, server)
+    if child is not None:
+        try:
+            result = cluster.apply(child)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            # The kind is not served: KEDA's CRDs are not installed. The model serves at its
+            # current replica count; only the autoscaling condition says what is missing.
+            missing = (
+                f"{child['kind']} ({child['apiVersion']}) is not served by this cluster: install KEDA "
+                "(v2.12 or newer), or use spec.autoscaling.scaler: hpa with a custom-metrics adapter"
+            )
+        else:
+            outcome.applied[f"{child['kind']}/{name}"] = result
+            if result != "unchanged":
+                cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {name}")
+    hpa = None if missing else cluster.get("autoscaling/v2", "HorizontalPodAutoscaler", ns, hpa_name(fm))
+    scaled_object = (
+        None if missing or wanted != "ScaledObject" else cluster.get("keda.sh/v1alpha1", "ScaledObject", ns, name)
+    )
+    state = scaler_state(fm, hpa, scaled_object, missing)
+    previous = before.get("specReplicas")
+    if previous is not None and int(previous) != fm.spec.replicas:
+        # The HPA writes the scale before its own status, so its numbers may be a sync behind.
+        seen = ", ".join(state.status.get("metrics") or []) or "none"
+        by = f"HPA {hpa_name(fm)} last wanted {state.status.get('desiredReplicas', '?')}; metrics {seen}"
+        cluster.event(body, "Normal", "Scaled", f"spec.replicas {previous} -> {fm.spec.replicas} ({by})")
+        log.info("event=scaled model=%s/%s from=%s to=%d", ns, name, previous, fm.spec.replicas)
+    state.status["specReplicas"] = fm.spec.replicas
+    new_status["autoscaler"] = state.status
+    return state
 
 
 def _write_status(

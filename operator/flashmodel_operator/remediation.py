@@ -70,7 +70,9 @@ class Decision:
 
 def serving_pods(pods: list[PodHealth]) -> int:
     """Pods that carry traffic now: prewarmed by this operator, generating, and endpoints of the Service."""
-    return sum(1 for p in pods if p.prewarmed and p.endpoint_ready and p.readyz_failing_since is None and not p.deleting)
+    return sum(
+        1 for p in pods if p.prewarmed and p.endpoint_ready and p.readyz_failing_since is None and not p.deleting
+    )
 
 
 def _candidate(pod: PodHealth, spec: RemediationSpec, now: float) -> tuple[str, str, float] | None:

@@ -11,11 +11,14 @@ from typing import Any
 import yaml
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
+from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.profiles import pod_profile
 
 ENGINE_PORT = 8000
 SHIM_PORT = 8081
+PRE_STOP_SLEEP_SECONDS = 5
+"""Endpoint removal reaches kube-proxy and load balancers within a few seconds."""
 CONFIG_DIR = "/etc/flashmodel"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.yaml"
 AUTH_DIR = f"{CONFIG_DIR}/auth"
@@ -226,6 +229,10 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         "startupProbe": _probe("/startupz", 10, 5, max(1, math.ceil(health.startup_timeout_seconds / 10))),
         "livenessProbe": _probe("/livez", 10, 5, 3),
         "readinessProbe": _probe("/readyz", 5, math.ceil(health.readiness_deadline_seconds) + 1, 2),
+        # A pod being deleted (a scale-down, a rollout) leaves the Service's endpoints while it still
+        # accepts: SIGTERM, which closes vLLM's listener, comes only after clients have stopped
+        # picking it, so no request is sent to a closed port; in-flight ones then drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
         # The launcher writes its preflight verdict here; logs are the fallback for crashes.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
@@ -370,67 +377,22 @@ def render_pdb(fm: FlashModel) -> dict[str, Any]:
     }
 
 
-def render_hpa(fm: FlashModel) -> dict[str, Any] | None:
+def render_autoscaler(fm: FlashModel, prometheus: str) -> dict[str, Any] | None:
+    """The model's ScaledObject (KEDA) or HPA, named after the model; None without spec.autoscaling."""
     scaling = fm.spec.autoscaling
     if scaling is None:
         return None
-    metrics: list[dict[str, Any]] = [
-        {
-            "type": "Pods",
-            "pods": {
-                "metric": {"name": "flashmodel_requests_per_second"},
-                "target": {"type": "AverageValue", "averageValue": _quantity(scaling.target_requests_per_second)},
-            },
-        }
-    ]
-    if scaling.target_kv_cache_usage is not None:
-        metrics.append(
-            {
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": "flashmodel_kv_cache_usage_ratio"},
-                    "target": {"type": "AverageValue", "averageValue": _quantity(scaling.target_kv_cache_usage)},
-                },
-            }
-        )
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(fm, fm.name),
-        "spec": {
-            # The HPA scales the FlashModel through its scale subresource, so the operator stays
-            # the only writer of the Deployment.
-            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": fm.name},
-            "minReplicas": scaling.min_replicas,
-            "maxReplicas": scaling.max_replicas,
-            "metrics": metrics,
-            "behavior": {
-                # A GPU pod takes minutes to load and prewarm: add one at a time, remove slowly.
-                "scaleUp": {
-                    "stabilizationWindowSeconds": 60,
-                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
-                },
-                "scaleDown": {
-                    "stabilizationWindowSeconds": 300,
-                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
-                },
-            },
-        },
-    }
+    if scaling.scaler == "keda":
+        return render_scaled_object(fm, _metadata(fm, fm.name), prometheus)
+    return render_hpa(fm, _metadata(fm, fm.name))
 
 
-def _quantity(value: float) -> str:
-    """A Kubernetes quantity for a float target: milli-units keep 0.8 exact (800m)."""
-    milli = round(value * 1000)
-    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
-
-
-def render_children(fm: FlashModel, replicas: int | None = None) -> list[dict[str, Any]]:
+def render_children(fm: FlashModel, replicas: int | None = None, prometheus: str = "") -> list[dict[str, Any]]:
     """Every child, in apply order (the ConfigMap before the pods that mount it)."""
     children = [render_configmap(fm), render_deployment(fm, replicas), render_service(fm), render_pdb(fm)]
-    hpa = render_hpa(fm)
-    if hpa is not None:
-        children.append(hpa)
+    autoscaler = render_autoscaler(fm, prometheus)
+    if autoscaler is not None:
+        children.append(autoscaler)
     return children
 
 
@@ -537,6 +499,7 @@ _ENFORCED_CONTAINER_FIELDS = {
     "startupProbe": "the health shim's probes are how the operator knows the engine state",
     "livenessProbe": "the health shim's probes are how the operator knows the engine state",
     "readinessProbe": "readiness is the shim's one-token generation",
+    "lifecycle": "its preStop sleep keeps a stopping pod serving until it has left the Service's endpoints",
 }
 
 

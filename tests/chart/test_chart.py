@@ -103,6 +103,7 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("apps", "deployments"): CHILD_VERBS,
     ("policy", "poddisruptionbudgets"): CHILD_VERBS,
     ("autoscaling", "horizontalpodautoscalers"): CHILD_VERBS,
+    ("keda.sh", "scaledobjects"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "pods/status"): {"patch"},
     ("", "pods/eviction"): {"create"},

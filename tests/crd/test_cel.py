@@ -184,6 +184,21 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "raise maxReplicas or lower minReplicas",
     ),
     (
+        "autoscaling-to-zero",
+        {"model": MODEL, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+        "spec.autoscaling",
+        "autoscaling.minReplicas must be at least 1: scale to zero is not supported (a cold T4 pod needs minutes to "
+        "load and prewarm before its first answer); set minReplicas: 1, or remove spec.autoscaling and set "
+        "spec.replicas: 0 to stop the model",
+    ),
+    (
+        "autoscaling-ttft-with-hpa",
+        {"model": MODEL, "autoscaling": {"scaler": "hpa", "maxReplicas": 2, "targetTTFTMilliseconds": 300}},
+        "spec.autoscaling",
+        "autoscaling.targetTTFTMilliseconds needs scaler: keda (a p90 from vLLM's TTFT histogram is a PromQL query, "
+        "not a per-pod metric an HPA can average); remove it or use scaler: keda",
+    ),
+    (
         "no-model-source",
         {"model": {"servedName": "qwen"}},
         "spec.model",
@@ -366,7 +381,15 @@ def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namesp
     assert rc == 0, stderr
     got = get(control_plane, namespace, "partial")["spec"]
     assert got["model"] == {"pvc": {"claimName": "models", "path": ""}, "servedName": "qwen", "quantization": "auto"}
-    assert got["autoscaling"] == {"minReplicas": 1, "maxReplicas": 3, "targetRequestsPerSecond": 8}
+    assert got["autoscaling"] == {
+        "scaler": "keda",
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "targetRequestsPerSecond": 8,
+        "windowSeconds": 60,
+        "scaleUpStabilizationSeconds": 60,
+        "scaleDownStabilizationSeconds": 300,
+    }
     assert got["auth"] == {"apiKeySecretRef": {"name": "keys", "key": "api-key"}}
     assert got["prewarm"]["requests"] == 2 and got["prewarm"]["maxTokens"] == 16
 

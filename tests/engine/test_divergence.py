@@ -1,9 +1,12 @@
-"""The divergence rule and vLLM metric parsing, as pure functions (the real-engine tests are in test_engine_vllm)."""
+"""The divergence rule, the client-request counter and vLLM metric parsing, as pure functions.
+
+The real-engine tests are in test_engine_vllm.
+"""
 
 from __future__ import annotations
 
 from flashmodel_engine.config import RemediationSettings
-from flashmodel_engine.metrics import DivergenceTracker, EngineSample, MemorySample, parse_vllm_metrics
+from flashmodel_engine.metrics import DivergenceTracker, EngineMetrics, EngineSample, MemorySample, parse_vllm_metrics
 
 GIB = 1024**3
 SETTINGS = RemediationSettings.model_validate(
@@ -60,3 +63,26 @@ def test_both_kv_cache_metric_names_are_read() -> None:
     assert parse_vllm_metrics(old).kv_cache_usage == 0.5
     assert parse_vllm_metrics(old).request_success_total == 10
     assert parse_vllm_metrics("").kv_cache_usage is None
+
+
+def _finished(m: EngineMetrics) -> float:
+    return float(m.requests_finished._value.get())
+
+
+def test_client_request_counter_skips_probes_in_flight_and_survives_a_vllm_restart() -> None:
+    m = EngineMetrics(SETTINGS)
+
+    def seen(success: float, own: float) -> None:
+        m.observe_engine(0.0, EngineSample(kv_cache_usage=0.0, running=0, waiting=2, request_success_total=success,
+                                           generation_tokens_total=0), own)
+
+    seen(10, 4)  # the first sample is the base: 6 client requests before the shim looked are not counted
+    seen(12, 4)
+    assert _finished(m) == 2
+    seen(12, 5)  # a probe started (counted as ours) ...
+    seen(13, 5)  # ... and finished: no client request
+    assert _finished(m) == 2
+    seen(1, 5)  # vLLM restarted and counts from zero: nothing counted, nothing taken back
+    seen(3, 5)
+    assert _finished(m) == 4
+    assert m.requests_waiting._value.get() == 2

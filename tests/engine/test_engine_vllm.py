@@ -180,11 +180,21 @@ def test_unknown_path_and_method_are_4xx(engine: LaunchedEngine) -> None:
 
 
 def test_metrics_pass_vllm_through_with_real_values(engine: LaunchedEngine) -> None:
+    finished_before = metric(engine.metrics(), "flashmodel_requests_finished_total") or 0
     for _ in range(3):
         completion(engine, "the pump on line three", 4)
     text = wait_for(lambda: (t := engine.metrics()) and (metric(t, "flashmodel_requests_per_second") or 0) > 0
                     and t, timeout=10)
     assert text, "requests_per_second stayed 0 after client requests"
+    # The counter the autoscaler's rate() reads: exactly the client's requests, the readiness
+    # probes running meanwhile excluded.
+    def finished() -> float:
+        return metric(engine.metrics(), "flashmodel_requests_finished_total") - finished_before
+
+    wait_for(lambda: finished() >= 3, timeout=10)
+    time.sleep(2.5)  # one more sample, with probes in between
+    assert finished() == 3, f"{finished()} client requests counted, 3 sent"
+    assert metric(text, "flashmodel_requests_waiting") == 0
     assert metric(text, "vllm:request_success_total") >= 3  # vLLM's own metrics are passed through
     assert "vllm:kv_cache_usage_perc" in text or "vllm:gpu_cache_usage_perc" in text
     kv = metric(text, "flashmodel_kv_cache_usage_ratio")

