@@ -1,4 +1,4 @@
-"""Real autoscaling parts for e2e: Prometheus (Debian package), KEDA operator and metrics adapter, as processes."""
+"""Real autoscaling parts for e2e: Prometheus, KEDA's operator and metrics adapter, as local processes."""
 
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ log = logging.getLogger("flashmodel.e2e.autoscaling")
 
 SCRAPE_CONFIG = REPO_ROOT / "charts" / "flashmodel-operator" / "files" / "prometheus-scrape-config.yaml"
 """The documented scrape config for engine pods; the test Prometheus runs exactly these jobs."""
-PROMETHEUS_INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus (scripts/test.sh does it as root)"
 
 KEDA_NAMESPACE = "keda"
 KEDA_SERVICE = "keda-metrics-apiserver"
@@ -98,108 +97,41 @@ class Sample:
     timestamp: float
 
 
-def scrape_jobs(targets_file: Path, source: Path = SCRAPE_CONFIG) -> list[dict[str, Any]]:
-    """The documented scrape jobs, their Kubernetes discovery replaced by `targets_file` (file_sd).
+def prometheus_dir() -> Path:
+    """The directory with the `prometheus` binary that scripts/testbin.sh builds (Kubernetes SD included)."""
+    return _testbin_print("FLASHMODEL_PROMETHEUS", "--print-prometheus-dir")
 
-    Debian's Prometheus is built without Kubernetes service discovery (its config parser has no
-    kubernetes_sd_configs), so PodDiscovery writes the targets a `role: pod` discovery would
-    find, with the same __meta_kubernetes_* labels. The relabeling, which is what the chart
-    documents and the queries depend on, runs unchanged.
+
+def _testbin_print(override_var: str, option: str) -> Path:
+    override = os.environ.get(override_var)
+    if override:
+        return Path(override)
+    out = subprocess.run([str(TESTBIN_SCRIPT), option], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def scrape_jobs(cp: ControlPlane, source: Path = SCRAPE_CONFIG) -> list[dict[str, Any]]:
+    """The documented scrape jobs, each kubernetes_sd_configs entry pointed at cp's API server.
+
+    Nothing else is changed: the test must run exactly the documented relabeling.
     """
     jobs = yaml.safe_load(source.read_text())
     if not isinstance(jobs, list) or not jobs:
         raise AutoscalingPartsError(f"{source}: expected a list of scrape jobs, got {type(jobs).__name__}")
+    pki = cp.pki
     for job in jobs:
-        sds = job.pop("kubernetes_sd_configs", None) or []
-        if any(sd.get("role") != "pod" for sd in sds):
-            raise AutoscalingPartsError(f"{source}: job {job.get('job_name')}: only role: pod discovery is emulated")
-        if sds:
-            job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "2s"}]
+        for sd in job.get("kubernetes_sd_configs") or []:
+            sd["api_server"] = cp.server
+            sd["tls_config"] = {
+                "ca_file": str(pki.ca_crt),
+                "cert_file": str(pki.admin_crt),
+                "key_file": str(pki.admin_key),
+            }
     return list(jobs)
 
 
-def _label_name(name: str) -> str:
-    # How Prometheus' Kubernetes discovery turns a label or annotation key into a label name.
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-
-
-def pod_targets(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The target groups Prometheus' `role: pod` discovery makes: one per declared container port."""
-    groups: list[dict[str, Any]] = []
-    for pod in pods:
-        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        ip = status.get("podIP")
-        if not ip:
-            continue
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        common = {
-            "__meta_kubernetes_namespace": meta["namespace"],
-            "__meta_kubernetes_pod_name": meta["name"],
-            "__meta_kubernetes_pod_uid": meta.get("uid", ""),
-            "__meta_kubernetes_pod_ip": ip,
-            "__meta_kubernetes_pod_node_name": spec.get("nodeName", ""),
-            "__meta_kubernetes_pod_phase": status.get("phase", ""),
-            "__meta_kubernetes_pod_ready": str(ready).lower(),
-        }
-        for key, value in (meta.get("labels") or {}).items():
-            common[f"__meta_kubernetes_pod_label_{_label_name(key)}"] = value
-            common[f"__meta_kubernetes_pod_labelpresent_{_label_name(key)}"] = "true"
-        for key, value in (meta.get("annotations") or {}).items():
-            common[f"__meta_kubernetes_pod_annotation_{_label_name(key)}"] = value
-        for container in spec.get("containers") or []:
-            for port in container.get("ports") or []:
-                labels = {
-                    **common,
-                    "__meta_kubernetes_pod_container_name": container["name"],
-                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
-                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
-                    "__meta_kubernetes_pod_container_port_protocol": port.get("protocol", "TCP"),
-                }
-                groups.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": labels})
-    return groups
-
-
-class PodDiscovery:
-    """Lists the cluster's pods every `interval` seconds and writes them as file_sd target groups."""
-
-    def __init__(self, cp: ControlPlane, targets_file: Path, interval: float = 1.0) -> None:
-        self.cp = cp
-        self.file = targets_file
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.write_once()
-
-    def write_once(self) -> None:
-        out = self.cp.kubectl("get", "pods", "--all-namespaces", "-o", "json", check=False)
-        if out.returncode != 0:
-            return  # the API server is busy or restarting: keep the last targets, like Prometheus does
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(pod_targets(json.loads(out.stdout)["items"])))
-        tmp.replace(self.file)  # Prometheus never reads a half-written file
-
-    def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="pod-discovery", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.write_once()
-            except Exception:  # a failed pass must not end discovery; the next one retries
-                log.exception("event=pod-discovery-failed")
-
-
 class Prometheus:
-    """Debian's `prometheus` on a free loopback port, scraping with the documented config.
+    """Prometheus (built by scripts/testbin.sh) on a free loopback port, scraping with the documented config.
 
     Usage: ``with Prometheus(cp) as prom: prom.wait_for_series('up{job="flashmodel-engines"}')``.
     stop() and start() end and restart the same server (same port, same data), so a test can
@@ -213,12 +145,14 @@ class Prometheus:
         scrape_interval: str = "2s",
         extra_jobs: Iterable[dict[str, Any]] = (),
         start_timeout: float = 60,
+        binary: Path | None = None,
         port: int | None = None,
     ) -> None:
         """`port`: a port chosen before start, when another process (the operator) must know the URL."""
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise AutoscalingPartsError(f"prometheus is not on PATH; install it: {PROMETHEUS_INSTALL_HINT}")
+        binary = prometheus_dir() / "prometheus" if binary is None else binary
+        if not os.access(binary, os.X_OK):
+            # Not Debian's package from PATH: it is built without Kubernetes service discovery.
+            raise AutoscalingPartsError(f"prometheus not found at {binary}; run scripts/testbin.sh")
         self.cp = cp
         self._owns_workdir = workdir is None
         self.dir = Path(tempfile.mkdtemp(prefix="flashmodel-prom-")) if workdir is None else workdir
@@ -228,14 +162,13 @@ class Prometheus:
         self.config_path = self.dir / "prometheus.yml"
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-            "scrape_configs": [*scrape_jobs(self.dir / "pods.json"), *extra_jobs],
+            "scrape_configs": [*scrape_jobs(cp), *extra_jobs],
         }
-        self.discovery = PodDiscovery(cp, self.dir / "pods.json")
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.component = Component(
             "prometheus",
             [
-                binary,
+                str(binary),
                 f"--config.file={self.config_path}",
                 f"--storage.tsdb.path={self.dir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
@@ -267,7 +200,6 @@ class Prometheus:
         if _running(self.component):
             return
         t0 = time.monotonic()
-        self.discovery.start()
         self.component.start(os.environ)
         _wait("prometheus /-/ready", lambda: http_ok(f"{self.url}/-/ready"), self.start_timeout, [self.component])
         log.info("event=prometheus-ready seconds=%.1f url=%s", time.monotonic() - t0, self.url)
@@ -275,7 +207,6 @@ class Prometheus:
     def stop(self) -> None:
         """Stops the server; start() brings it back on the same port."""
         _stop(self.component)
-        self.discovery.stop()
         log.info("event=prometheus-stopped url=%s", self.url)
 
     def close(self) -> None:
@@ -361,11 +292,7 @@ def install_keda_crds(cp: ControlPlane, bin_dir: Path | None = None) -> None:
 
 def keda_dir() -> Path:
     """The directory with KEDA's operator, adapter and crds/ (scripts/testbin.sh builds it)."""
-    override = os.environ.get("FLASHMODEL_KEDA")
-    if override:
-        return Path(override)
-    out = subprocess.run([str(TESTBIN_SCRIPT), "--print-keda-dir"], capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
+    return _testbin_print("FLASHMODEL_KEDA", "--print-keda-dir")
 
 
 class Keda:
@@ -600,6 +527,7 @@ class Keda:
             if self._closed:
                 return
             self._closed = True
+        t0 = time.monotonic()
         try:
             self._delete_scaled_objects()
         finally:
@@ -608,6 +536,7 @@ class Keda:
             # (and the namespace controller's deletion of whole namespaces).
             self.cp.kubectl("delete", "apiservice", EXTERNAL_METRICS_APISERVICE, "--ignore-not-found", check=False)
             atexit.unregister(self.close)
+            log.info("event=keda-closed seconds=%.1f", time.monotonic() - t0)
             if self._owns_workdir and os.environ.get("FLASHMODEL_KEEP_CLUSTER_DIR") != "1":
                 shutil.rmtree(self.dir, ignore_errors=True)
 

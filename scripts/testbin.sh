@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Builds the e2e binaries (etcd, kube-*, kwok, helm; KEDA's operator and metrics adapter) from Go modules into versioned caches.
+# Builds the e2e binaries (etcd, kube-*, kwok, helm; KEDA, Prometheus) from Go modules into versioned caches.
 #
-# Usage: scripts/testbin.sh [--print-dir | --print-keda-dir]
+# Usage: scripts/testbin.sh [--print-dir | --print-keda-dir | --print-prometheus-dir]
 #   Builds only what is missing in ${FLASHMODEL_CACHE:-$HOME/.cache/flashmodel}/testbin/<key>/ (the
-#   control plane) and .../testbin/keda-<version>/ (KEDA: operator, adapter, crds/), and prints the
-#   control-plane directory as the last line of stdout. --print-dir / --print-keda-dir print a
-#   directory without building.
+#   control plane), .../testbin/keda-<version>/ (KEDA: operator, adapter, crds/) and
+#   .../testbin/prometheus-<version>/, and prints the control-plane directory as the last line of
+#   stdout. The --print-* options print a directory without building.
 # Why Go modules: CI and dev machines reach only package registries (no Docker, no GitHub
 # releases), see docs/control-plane.md.
 set -euo pipefail
@@ -16,6 +16,10 @@ KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.21.4
 # v2.21.1's go.mod asks for go 1.27.4, newer than the toolchain here; v2.21.0 needs go 1.26.0.
 KEDA_VERSION=v2.21.0
+# Prometheus 3.16.0 (its Go module numbers v3.x.y as v0.3xy.z). Not Debian's package: Debian
+# builds it without Kubernetes service discovery, which the documented scrape config uses.
+PROMETHEUS_VERSION=v0.316.0
+PROMETHEUS_RELEASE=3.16.0
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TESTBIN_SRC=$ROOT/e2e/testbin
@@ -26,10 +30,12 @@ BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
 KEDA_DIR=$CACHE/testbin/keda-$KEDA_VERSION
 # crds/.complete is written last, after every CRD file is in place.
 KEDA_FILES=(operator adapter crds/.complete)
+PROMETHEUS_DIR=$CACHE/testbin/prometheus-$PROMETHEUS_RELEASE
 
 case ${1:-} in
   --print-dir) echo "$BIN_DIR"; exit 0 ;;
   --print-keda-dir) echo "$KEDA_DIR"; exit 0 ;;
+  --print-prometheus-dir) echo "$PROMETHEUS_DIR"; exit 0 ;;
 esac
 
 log() { echo "testbin: $*" >&2; }
@@ -46,8 +52,9 @@ missing() {
 
 cp_missing() { missing "$BIN_DIR" "${BINARIES[@]}"; }
 keda_missing() { missing "$KEDA_DIR" "${KEDA_FILES[@]}"; }
+prometheus_missing() { missing "$PROMETHEUS_DIR" prometheus; }
 
-if ! cp_missing && ! keda_missing; then
+if ! cp_missing && ! keda_missing && ! prometheus_missing; then
   echo "$BIN_DIR"
   exit 0
 fi
@@ -70,19 +77,6 @@ install_staged() {
 }
 
 KEDA_MOD=github.com/kedacore/keda/v2@$KEDA_VERSION
-keda_prefetch_pid=
-if keda_missing && cp_missing; then
-  # Cold machine: fetch KEDA's modules (~1.7 GB, network-bound) while the control plane compiles
-  # (CPU-bound), instead of after it. `go list -deps` downloads exactly what the build will need.
-  log "prefetching component=keda version=$KEDA_VERSION"
-  (
-    dir=$(go mod download -json "$KEDA_MOD" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-    cd "$dir" && go list -deps ./cmd/operator ./cmd/adapter >/dev/null
-    log "prefetched component=keda seconds=$(( $(date +%s) - START ))"
-  ) &
-  keda_prefetch_pid=$!
-fi
-
 build_control_plane() {
   mkdir -p "$BIN_DIR"
   # One builder at a time: two pytest sessions starting together must not race on the same files.
@@ -173,10 +167,32 @@ build_keda() {
   exec 8>&-
 }
 
+build_prometheus() {
+  local t0
+  t0=$(date +%s)
+  mkdir -p "$PROMETHEUS_DIR"
+  exec 7>"$PROMETHEUS_DIR/.lock"
+  flock 7
+  if ! prometheus_missing; then exec 7>&-; return 0; fi
+  STAGE=$PROMETHEUS_DIR/.stage
+  rm -rf "$STAGE"
+  mkdir -p "$STAGE"
+  log "building component=prometheus version=$PROMETHEUS_RELEASE"
+  # remove_all_sd + enable_kubernetes_sd: of the ~28 service discoveries (each a cloud SDK) only
+  # the one e2e uses. No builtinassets: the web UI is not needed, the HTTP API is.
+  GOBIN=$STAGE go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
+    -ldflags "-s -w -X github.com/prometheus/common/version.Version=$PROMETHEUS_RELEASE" \
+    "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION"
+  "$STAGE/prometheus" --version >/dev/null 2>&1 || { log "error=binary-does-not-run binary=prometheus"; exit 1; }
+  mv -f "$STAGE/prometheus" "$PROMETHEUS_DIR/prometheus"
+  rm -rf "$STAGE"
+  log "built dir=$PROMETHEUS_DIR seconds=$(( $(date +%s) - t0 ))"
+  exec 7>&-
+}
+
+# KEDA after the control plane, in this one job: both are CPU-bound compiles, so side by side on
+# 2 cores they would only take turns, while scripts/test.sh runs the venv download beside this job.
 if cp_missing; then build_control_plane; fi
-if [[ -n $keda_prefetch_pid ]]; then
-  # A failed prefetch is not fatal: the build downloads what is still missing and says why.
-  wait "$keda_prefetch_pid" || log "warning=keda-prefetch-failed"
-fi
 if keda_missing; then build_keda; fi
+if prometheus_missing; then build_prometheus; fi
 echo "$BIN_DIR"
