@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -130,7 +130,29 @@ def scrape_jobs(cp: ControlPlane, source: Path = SCRAPE_CONFIG) -> list[dict[str
     return list(jobs)
 
 
-class Prometheus:
+class _Part:
+    """Processes a test owns: opened on entry; closed on exit, at interpreter exit, or when opening fails."""
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        atexit.register(self.close)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Prometheus(_Part):
     """Prometheus (built by scripts/testbin.sh) on a free loopback port, scraping with the documented config.
 
     Usage: ``with Prometheus(cp) as prom: prom.wait_for_series('up{job="flashmodel-engines"}')``.
@@ -183,17 +205,8 @@ class Prometheus:
         """The base URL, e.g. for a KEDA trigger's serverAddress."""
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> Prometheus:
-        atexit.register(self.close)
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _open(self) -> None:
+        self.start()
 
     def start(self) -> None:
         """Starts the server (again) and returns once /-/ready answers."""
@@ -295,7 +308,7 @@ def keda_dir() -> Path:
     return _testbin_print("FLASHMODEL_KEDA", "--print-keda-dir")
 
 
-class Keda:
+class Keda(_Part):
     """KEDA's operator and metrics adapter, out of cluster, serving external.metrics.k8s.io to cp.
 
     Usage: ``with Keda(cp) as keda: ...`` then create ScaledObjects. One Keda per control plane
@@ -377,18 +390,9 @@ class Keda:
             "WATCH_NAMESPACE": "",
         }
 
-    def __enter__(self) -> Keda:
-        atexit.register(self.close)
-        try:
-            self.install()
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _open(self) -> None:
+        self.install()
+        self.start()
 
     # -- set-up ------------------------------------------------------------------------------
 
