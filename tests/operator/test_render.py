@@ -183,6 +183,9 @@ ENFORCED_PATCHES: list[tuple[dict[str, Any], str]] = [
     ({"spec": {"containers": [{"name": "engine", "readinessProbe": {"tcpSocket": {"port": 8000}}}]}},
      "changes the engine container's readinessProbe"),
     ({"spec": {"containers": [{"name": "engine", "$patch": "delete"}]}}, "removes the engine container"),
+    # A preStop that kills at once would drop a scale-down's in-flight requests.
+    ({"spec": {"containers": [{"name": "engine", "lifecycle": {"preStop": {"exec": {"command": ["kill", "1"]}}}}]}},
+     "changes the engine container's lifecycle"),
     ({"spec": {"containers": [{"name": "engine", "resources": {"limits": {"nvidia.com/gpu": 0}}}]}},
      "changes the engine container's limits[nvidia.com/gpu]"),
     ({"spec": {"nodeSelector": {"nvidia.com/gpu.product": "A100"}}}, "changes nodeSelector[nvidia.com/gpu.product]"),
