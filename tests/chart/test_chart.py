@@ -119,9 +119,18 @@ CRD_GRANT = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "lis
 
 
 def test_chart_crd_is_byte_identical_to_the_source_crd() -> None:
+    # templates/crd.yaml reads this copy: a chart package cannot reach files outside itself.
     source = (ROOT / "crds" / "flashmodel.yaml").read_bytes()
-    copy = (CHART / "crds" / "flashmodel.yaml").read_bytes()
-    assert copy == source, "charts/flashmodel-operator/crds/flashmodel.yaml differs: cp crds/flashmodel.yaml there"
+    copy = (CHART / "files" / "crds" / "flashmodel.yaml").read_bytes()
+    assert copy == source, (
+        "charts/flashmodel-operator/files/crds/flashmodel.yaml differs: cp crds/flashmodel.yaml there"
+    )
+
+
+def test_the_flashmodel_crd_is_not_in_the_charts_crds_folder() -> None:
+    # Helm installs crds/ once and never upgrades it; the CRD must come from templates/ only,
+    # or a fresh install would create it twice and fail.
+    assert not (CHART / "crds" / "flashmodel.yaml").exists()
 
 
 def _schema() -> dict[str, Any]:
@@ -233,6 +242,7 @@ def test_default_render_objects() -> None:
         "ClusterRole/fm-flashmodel-operator-edit",
         "ClusterRole/fm-flashmodel-operator-view",
         "ClusterRoleBinding/fm-flashmodel-operator",
+        "CustomResourceDefinition/flashmodels.serving.flashmodel.io",
         "Deployment/fm-flashmodel-operator",
         "ServiceAccount/fm-flashmodel-operator",
     ]
@@ -245,7 +255,46 @@ def test_include_crds_renders_the_flashmodel_crd_and_kopf_peering_crds() -> None
     out = helm("template", "fm", str(CHART), "--kube-version", KUBE_VERSION, "--include-crds").stdout
     crds = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"}
     assert set(crds) == {"flashmodels.serving.flashmodel.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
-    assert crds["flashmodels.serving.flashmodel.io"] == yaml.safe_load((ROOT / "crds" / "flashmodel.yaml").read_text())
+
+
+def test_the_rendered_crd_is_the_source_crd_plus_helm_metadata() -> None:
+    rendered = one(render(), "CustomResourceDefinition")
+    source = yaml.safe_load((ROOT / "crds" / "flashmodel.yaml").read_text())
+    metadata = rendered.pop("metadata")
+    assert rendered == {k: v for k, v in source.items() if k != "metadata"}
+    assert metadata["name"] == source["metadata"]["name"]
+    # The source's own labels survive; Helm's ownership label and the keep policy are added.
+    assert source["metadata"]["labels"].items() <= metadata["labels"].items()
+    assert metadata["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert metadata["annotations"] == {"helm.sh/resource-policy": "keep"}
+
+
+def test_crds_keep_false_lets_uninstall_delete_the_crd() -> None:
+    rendered = one(render("crds.keep=false"), "CustomResourceDefinition")
+    assert "helm.sh/resource-policy" not in rendered["metadata"].get("annotations", {})
+
+
+def test_crds_enabled_false_renders_no_crd() -> None:
+    assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
+
+
+def test_helm_template_needs_no_kube_version_flag() -> None:
+    docs = [d for d in yaml.safe_load_all(helm("template", "fm", str(CHART)).stdout) if d]
+    assert len(by_kind(docs, "CustomResourceDefinition")) == 1
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "v1.30.2-gke.1000", "1.35.0"])
+def test_a_supported_kubernetes_version_renders(version: str) -> None:
+    helm("template", "fm", str(CHART), "--kube-version", version)
+
+
+@pytest.mark.parametrize("version", ["1.29.9", "v1.28.0-eks-1", "1.20.1"])
+def test_a_too_old_kubernetes_is_refused_with_the_minimum(version: str) -> None:
+    proc = helm("template", "fm", str(CHART), "--kube-version", version, check=False)
+    assert proc.returncode != 0
+    assert "flashmodel-operator needs Kubernetes >= 1.30" in proc.stderr
+    major_minor = ".".join(version.removeprefix("v").split(".")[:2])
+    assert f"this cluster is v{major_minor}." in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -438,7 +487,11 @@ def test_operator_gets_the_prometheus_address_and_the_t4_node_selector() -> None
     selector = next(e["value"] for e in env if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
     assert json.loads(selector) == {"nvidia.com/gpu.product": "Tesla-T4"}
     # Helm merges maps: a cluster replaces the GFD label by setting it to null beside its own.
-    gke = container(render("accelerators.t4.nodeSelector.nvidia\\.com/gpu\\.product=null",
-                           "accelerators.t4.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-tesla-t4"))["env"]
+    gke = container(
+        render(
+            "accelerators.t4.nodeSelector.nvidia\\.com/gpu\\.product=null",
+            "accelerators.t4.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-tesla-t4",
+        )
+    )["env"]
     selector = next(e["value"] for e in gke if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
     assert json.loads(selector) == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}
