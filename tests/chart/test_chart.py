@@ -154,6 +154,25 @@ def test_values_yaml_satisfies_the_strict_schema() -> None:
         pytest.param(lambda v: v["image"].update(tags="x"), id="unknown-nested-key"),
         pytest.param(lambda v: v["rbac"].update(scope="everything"), id="bad-enum"),
         pytest.param(lambda v: v.update(replicaCount=0), id="below-minimum"),
+        # Kubernetes' own types ($defs, from scripts/values_schema_k8s.py): what the API server refuses.
+        pytest.param(lambda v: v["resources"]["limits"].update(memory="lots"), id="quantity-not-a-quantity"),
+        pytest.param(lambda v: v["resources"]["requests"].update(cpu="1 core"), id="quantity-with-a-space"),
+        pytest.param(lambda v: v["resources"].update(limit={"memory": "1Gi"}), id="resources-typo"),
+        pytest.param(lambda v: v["podSecurityContext"].update(runAsUser=-5), id="negative-uid"),
+        pytest.param(lambda v: v["podSecurityContext"].update(supplementalGroups=[-1]), id="negative-gid"),
+        pytest.param(lambda v: v["securityContext"].update(runAsGroup=2**31), id="gid-above-int32"),
+        pytest.param(lambda v: v["securityContext"]["capabilities"].update(drop="ALL"), id="capabilities-not-a-list"),
+        pytest.param(lambda v: v["podSecurityContext"]["seccompProfile"].update(type="Strict"), id="seccomp-enum"),
+        pytest.param(lambda v: v.update(tolerations=[{"key": "gpu", "effect": "Bogus"}]), id="toleration-effect"),
+        pytest.param(lambda v: v.update(tolerations=[{"key": "gpu", "operator": "In"}]), id="toleration-operator"),
+        pytest.param(
+            lambda v: v.update(affinity={"nodeAffinity": {"requiredDuringScheduling": {}}}), id="affinity-typo"
+        ),
+        pytest.param(lambda v: v.update(extraEnv=[{"value": "x"}]), id="env-without-name"),
+        pytest.param(
+            lambda v: v.update(extraEnv=[{"name": "X", "valueFrom": {"secretRef": {"name": "s"}}}]),
+            id="env-source-typo",
+        ),
     ],
 )
 def test_values_schema_rejects_bad_values(mutate: Any) -> None:
@@ -161,6 +180,71 @@ def test_values_schema_rejects_bad_values(mutate: Any) -> None:
     mutate(values)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda v: v["resources"].update(limits={"memory": "1.5Gi", "cpu": "500m"}), id="quantities"),
+        pytest.param(lambda v: v["resources"].update(requests={"cpu": 2, "memory": "1e9"}), id="number-quantities"),
+        pytest.param(lambda v: v["podSecurityContext"].update(runAsUser=0, runAsNonRoot=False), id="root-uid"),
+        pytest.param(
+            lambda v: v.update(tolerations=[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]),
+            id="toleration",
+        ),
+        pytest.param(
+            lambda v: v.update(
+                affinity={
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}
+                            ]
+                        }
+                    },
+                    "podAntiAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "weight": 100,
+                                "podAffinityTerm": {
+                                    "topologyKey": "kubernetes.io/hostname",
+                                    "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "flashmodel-operator"}},
+                                },
+                            }
+                        ]
+                    },
+                }
+            ),
+            id="affinity",
+        ),
+        pytest.param(
+            lambda v: v.update(
+                extraEnv=[
+                    {"name": "A", "value": "1"},
+                    {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": True}}},
+                    {"name": "C", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                ]
+            ),
+            id="env",
+        ),
+    ],
+)
+def test_values_schema_accepts_good_kubernetes_values(mutate: Any) -> None:
+    values = _values()
+    mutate(values)
+    jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+def test_values_schema_defs_are_kubernetes_types_by_openapi_name() -> None:
+    defs = _schema()["$defs"]
+    assert defs["io.k8s.api.core.v1.Toleration"]["properties"]["effect"]["enum"] == [
+        "NoExecute",
+        "NoSchedule",
+        "PreferNoSchedule",
+    ]
+    # Every $ref resolves inside the file: helm has no network access to fetch others.
+    refs = set(re.findall(r'"\$ref": "#/\$defs/([^"]+)"', (CHART / "values.schema.json").read_text()))
+    assert refs and refs <= set(defs)
 
 
 def _closed_objects(node: dict[str, Any], path: str = "") -> Iterator[str]:
@@ -226,6 +310,20 @@ def test_every_value_in_the_schema_is_in_values_yaml() -> None:
 def test_helm_lint_strict_passes() -> None:
     out = helm("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION).stdout
     assert "0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("resources.limits.memory=lots", "at '/resources/limits/memory': 'lots' does not match pattern"),
+        ("podSecurityContext.runAsUser=-5", "at '/podSecurityContext/runAsUser': minimum: got -5, want 0"),
+        ("tolerations[0].effect=Bogus", "at '/tolerations/0/effect': value must be one of 'NoExecute'"),
+    ],
+)
+def test_helm_refuses_what_the_api_server_would(value: str, message: str) -> None:
+    proc = helm("template", "fm", str(CHART), "--set", value, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
 
 
 def test_helm_rejects_an_unknown_value() -> None:
