@@ -113,6 +113,14 @@ def definitions(schemas: dict[str, Any]) -> dict[str, Any]:
     for (type_name, prop), rule in VALIDATION_RULES.items():
         defs[type_name]["properties"][prop].update(rule)
     defs[ID_LIST[0]]["properties"][ID_LIST[1]]["items"].update(ID_RANGE)
+    # ValidateResourceQuantityValue: requests and limits must be >= 0 (a Quantity may be negative).
+    for field in ("limits", "requests"):
+        amounts = defs[CORE + "ResourceRequirements"]["properties"][field]
+        amounts["additionalProperties"] = {
+            "allOf": [amounts["additionalProperties"]],
+            "pattern": "^[^-]",
+            "minimum": 0,
+        }
     return dict(sorted(defs.items()))
 
 

@@ -158,6 +158,8 @@ def test_values_yaml_satisfies_the_strict_schema() -> None:
         pytest.param(lambda v: v["resources"]["limits"].update(memory="lots"), id="quantity-not-a-quantity"),
         pytest.param(lambda v: v["resources"]["requests"].update(cpu="1 core"), id="quantity-with-a-space"),
         pytest.param(lambda v: v["resources"].update(limit={"memory": "1Gi"}), id="resources-typo"),
+        pytest.param(lambda v: v["resources"]["requests"].update(memory="-1Gi"), id="negative-request"),
+        pytest.param(lambda v: v["resources"]["limits"].update(cpu=-1), id="negative-number-limit"),
         pytest.param(lambda v: v["podSecurityContext"].update(runAsUser=-5), id="negative-uid"),
         pytest.param(lambda v: v["podSecurityContext"].update(supplementalGroups=[-1]), id="negative-gid"),
         pytest.param(lambda v: v["securityContext"].update(runAsGroup=2**31), id="gid-above-int32"),

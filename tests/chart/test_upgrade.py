@@ -112,7 +112,10 @@ def test_upgrade_from_the_crds_folder_chart_upgrades_the_crd_and_uninstall_keeps
         cp.kubectl("label", "crd", CRD, "app.kubernetes.io/managed-by=Helm")
         cp.helm(*upgrade)
     else:
-        cp.helm(*upgrade, "--take-ownership")
+        # --reuse-values keeps the old chart's defaults, which lack crds (README says so).
+        proc = cp.helm(*upgrade, "--take-ownership", "--reuse-values", check=False)
+        assert proc.returncode != 0 and "missing properties" in proc.stderr and "'crds'" in proc.stderr, proc.stderr
+        cp.helm(*upgrade, "--take-ownership", "--reset-then-reuse-values")
 
     cp.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
     assert crd_properties(cp)["autoscaling"]["properties"]["scaler"]["enum"] == ["keda", "hpa"]
