@@ -378,9 +378,10 @@ def test_crds_enabled_false_renders_no_crd() -> None:
     assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
 
 
-def test_helm_template_needs_no_kube_version_flag() -> None:
+def test_helm_template_and_lint_need_no_kube_version_flag() -> None:
     docs = [d for d in yaml.safe_load_all(helm("template", "fm", str(CHART)).stdout) if d]
     assert len(by_kind(docs, "CustomResourceDefinition")) == 1
+    assert "0 chart(s) failed" in helm("lint", "--strict", str(CHART)).stdout
 
 
 @pytest.mark.parametrize("version", ["1.30.0", "v1.30.2-gke.1000", "1.35.0"])
