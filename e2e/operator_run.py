@@ -35,6 +35,9 @@ def helm_install(cp: ControlPlane, *values: str) -> None:
         SYSTEM_NAMESPACE,
         "--create-namespace",
         "--wait=false",
+        # Tests in the same session may have applied crds/flashmodel.yaml with kubectl; the chart
+        # then adopts that CRD instead of refusing to install over an object it does not own.
+        "--take-ownership",
     ]
     for value in values:
         args += ["--set", value]

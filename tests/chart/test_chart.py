@@ -119,9 +119,18 @@ CRD_GRANT = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "lis
 
 
 def test_chart_crd_is_byte_identical_to_the_source_crd() -> None:
+    # templates/crd.yaml reads this copy: a chart package cannot reach files outside itself.
     source = (ROOT / "crds" / "flashmodel.yaml").read_bytes()
-    copy = (CHART / "crds" / "flashmodel.yaml").read_bytes()
-    assert copy == source, "charts/flashmodel-operator/crds/flashmodel.yaml differs: cp crds/flashmodel.yaml there"
+    copy = (CHART / "files" / "crds" / "flashmodel.yaml").read_bytes()
+    assert copy == source, (
+        "charts/flashmodel-operator/files/crds/flashmodel.yaml differs: cp crds/flashmodel.yaml there"
+    )
+
+
+def test_the_flashmodel_crd_is_not_in_the_charts_crds_folder() -> None:
+    # Helm installs crds/ once and never upgrades it; the CRD must come from templates/ only,
+    # or a fresh install would create it twice and fail.
+    assert not (CHART / "crds" / "flashmodel.yaml").exists()
 
 
 def _schema() -> dict[str, Any]:
@@ -145,6 +154,27 @@ def test_values_yaml_satisfies_the_strict_schema() -> None:
         pytest.param(lambda v: v["image"].update(tags="x"), id="unknown-nested-key"),
         pytest.param(lambda v: v["rbac"].update(scope="everything"), id="bad-enum"),
         pytest.param(lambda v: v.update(replicaCount=0), id="below-minimum"),
+        # Kubernetes' own types ($defs, from scripts/values_schema_k8s.py): what the API server refuses.
+        pytest.param(lambda v: v["resources"]["limits"].update(memory="lots"), id="quantity-not-a-quantity"),
+        pytest.param(lambda v: v["resources"]["requests"].update(cpu="1 core"), id="quantity-with-a-space"),
+        pytest.param(lambda v: v["resources"].update(limit={"memory": "1Gi"}), id="resources-typo"),
+        pytest.param(lambda v: v["resources"]["requests"].update(memory="-1Gi"), id="negative-request"),
+        pytest.param(lambda v: v["resources"]["limits"].update(cpu=-1), id="negative-number-limit"),
+        pytest.param(lambda v: v["podSecurityContext"].update(runAsUser=-5), id="negative-uid"),
+        pytest.param(lambda v: v["podSecurityContext"].update(supplementalGroups=[-1]), id="negative-gid"),
+        pytest.param(lambda v: v["securityContext"].update(runAsGroup=2**31), id="gid-above-int32"),
+        pytest.param(lambda v: v["securityContext"]["capabilities"].update(drop="ALL"), id="capabilities-not-a-list"),
+        pytest.param(lambda v: v["podSecurityContext"]["seccompProfile"].update(type="Strict"), id="seccomp-enum"),
+        pytest.param(lambda v: v.update(tolerations=[{"key": "gpu", "effect": "Bogus"}]), id="toleration-effect"),
+        pytest.param(lambda v: v.update(tolerations=[{"key": "gpu", "operator": "In"}]), id="toleration-operator"),
+        pytest.param(
+            lambda v: v.update(affinity={"nodeAffinity": {"requiredDuringScheduling": {}}}), id="affinity-typo"
+        ),
+        pytest.param(lambda v: v.update(extraEnv=[{"value": "x"}]), id="env-without-name"),
+        pytest.param(
+            lambda v: v.update(extraEnv=[{"name": "X", "valueFrom": {"secretRef": {"name": "s"}}}]),
+            id="env-source-typo",
+        ),
     ],
 )
 def test_values_schema_rejects_bad_values(mutate: Any) -> None:
@@ -152,6 +182,71 @@ def test_values_schema_rejects_bad_values(mutate: Any) -> None:
     mutate(values)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda v: v["resources"].update(limits={"memory": "1.5Gi", "cpu": "500m"}), id="quantities"),
+        pytest.param(lambda v: v["resources"].update(requests={"cpu": 2, "memory": "1e9"}), id="number-quantities"),
+        pytest.param(lambda v: v["podSecurityContext"].update(runAsUser=0, runAsNonRoot=False), id="root-uid"),
+        pytest.param(
+            lambda v: v.update(tolerations=[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]),
+            id="toleration",
+        ),
+        pytest.param(
+            lambda v: v.update(
+                affinity={
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}
+                            ]
+                        }
+                    },
+                    "podAntiAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "weight": 100,
+                                "podAffinityTerm": {
+                                    "topologyKey": "kubernetes.io/hostname",
+                                    "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "flashmodel-operator"}},
+                                },
+                            }
+                        ]
+                    },
+                }
+            ),
+            id="affinity",
+        ),
+        pytest.param(
+            lambda v: v.update(
+                extraEnv=[
+                    {"name": "A", "value": "1"},
+                    {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": True}}},
+                    {"name": "C", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                ]
+            ),
+            id="env",
+        ),
+    ],
+)
+def test_values_schema_accepts_good_kubernetes_values(mutate: Any) -> None:
+    values = _values()
+    mutate(values)
+    jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+def test_values_schema_defs_are_kubernetes_types_by_openapi_name() -> None:
+    defs = _schema()["$defs"]
+    assert defs["io.k8s.api.core.v1.Toleration"]["properties"]["effect"]["enum"] == [
+        "NoExecute",
+        "NoSchedule",
+        "PreferNoSchedule",
+    ]
+    # Every $ref resolves inside the file: helm has no network access to fetch others.
+    refs = set(re.findall(r'"\$ref": "#/\$defs/([^"]+)"', (CHART / "values.schema.json").read_text()))
+    assert refs and refs <= set(defs)
 
 
 def _closed_objects(node: dict[str, Any], path: str = "") -> Iterator[str]:
@@ -219,6 +314,20 @@ def test_helm_lint_strict_passes() -> None:
     assert "0 chart(s) failed" in out
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("resources.limits.memory=lots", "at '/resources/limits/memory': 'lots' does not match pattern"),
+        ("podSecurityContext.runAsUser=-5", "at '/podSecurityContext/runAsUser': minimum: got -5, want 0"),
+        ("tolerations[0].effect=Bogus", "at '/tolerations/0/effect': value must be one of 'NoExecute'"),
+    ],
+)
+def test_helm_refuses_what_the_api_server_would(value: str, message: str) -> None:
+    proc = helm("template", "fm", str(CHART), "--set", value, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
 def test_helm_rejects_an_unknown_value() -> None:
     proc = helm("template", "fm", str(CHART), "--kube-version", KUBE_VERSION, "--set", "replicas=2", check=False)
     assert proc.returncode != 0
@@ -233,6 +342,7 @@ def test_default_render_objects() -> None:
         "ClusterRole/fm-flashmodel-operator-edit",
         "ClusterRole/fm-flashmodel-operator-view",
         "ClusterRoleBinding/fm-flashmodel-operator",
+        "CustomResourceDefinition/flashmodels.serving.flashmodel.io",
         "Deployment/fm-flashmodel-operator",
         "ServiceAccount/fm-flashmodel-operator",
     ]
@@ -245,7 +355,47 @@ def test_include_crds_renders_the_flashmodel_crd_and_kopf_peering_crds() -> None
     out = helm("template", "fm", str(CHART), "--kube-version", KUBE_VERSION, "--include-crds").stdout
     crds = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"}
     assert set(crds) == {"flashmodels.serving.flashmodel.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
-    assert crds["flashmodels.serving.flashmodel.io"] == yaml.safe_load((ROOT / "crds" / "flashmodel.yaml").read_text())
+
+
+def test_the_rendered_crd_is_the_source_crd_plus_helm_metadata() -> None:
+    rendered = one(render(), "CustomResourceDefinition")
+    source = yaml.safe_load((ROOT / "crds" / "flashmodel.yaml").read_text())
+    metadata = rendered.pop("metadata")
+    assert rendered == {k: v for k, v in source.items() if k != "metadata"}
+    assert metadata["name"] == source["metadata"]["name"]
+    # The source's own labels survive; Helm's ownership label and the keep policy are added.
+    assert source["metadata"]["labels"].items() <= metadata["labels"].items()
+    assert metadata["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert metadata["annotations"] == {"helm.sh/resource-policy": "keep"}
+
+
+def test_crds_keep_false_lets_uninstall_delete_the_crd() -> None:
+    rendered = one(render("crds.keep=false"), "CustomResourceDefinition")
+    assert "helm.sh/resource-policy" not in rendered["metadata"].get("annotations", {})
+
+
+def test_crds_enabled_false_renders_no_crd() -> None:
+    assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
+
+
+def test_helm_template_and_lint_need_no_kube_version_flag() -> None:
+    docs = [d for d in yaml.safe_load_all(helm("template", "fm", str(CHART)).stdout) if d]
+    assert len(by_kind(docs, "CustomResourceDefinition")) == 1
+    assert "0 chart(s) failed" in helm("lint", "--strict", str(CHART)).stdout
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "v1.30.2-gke.1000", "1.35.0"])
+def test_a_supported_kubernetes_version_renders(version: str) -> None:
+    helm("template", "fm", str(CHART), "--kube-version", version)
+
+
+@pytest.mark.parametrize("version", ["1.29.9", "v1.28.0-eks-1", "1.20.1"])
+def test_a_too_old_kubernetes_is_refused_with_the_minimum(version: str) -> None:
+    proc = helm("template", "fm", str(CHART), "--kube-version", version, check=False)
+    assert proc.returncode != 0
+    assert "flashmodel-operator needs Kubernetes >= 1.30" in proc.stderr
+    major_minor = ".".join(version.removeprefix("v").split(".")[:2])
+    assert f"this cluster is v{major_minor}." in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -438,7 +588,11 @@ def test_operator_gets_the_prometheus_address_and_the_t4_node_selector() -> None
     selector = next(e["value"] for e in env if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
     assert json.loads(selector) == {"nvidia.com/gpu.product": "Tesla-T4"}
     # Helm merges maps: a cluster replaces the GFD label by setting it to null beside its own.
-    gke = container(render("accelerators.t4.nodeSelector.nvidia\\.com/gpu\\.product=null",
-                           "accelerators.t4.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-tesla-t4"))["env"]
+    gke = container(
+        render(
+            "accelerators.t4.nodeSelector.nvidia\\.com/gpu\\.product=null",
+            "accelerators.t4.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-tesla-t4",
+        )
+    )["env"]
     selector = next(e["value"] for e in gke if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
     assert json.loads(selector) == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}

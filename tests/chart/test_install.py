@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +15,26 @@ from tests.chart.test_chart import CRD_GRANT, NAMESPACED_GRANTS
 pytestmark = pytest.mark.e2e
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "flashmodel-operator"
+
+
+def values_schema_script() -> Any:
+    """scripts/values_schema_k8s.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "values_schema_k8s", CHART.parents[1] / "scripts" / "values_schema_k8s.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_values_schema_defs_match_this_api_servers_openapi(control_plane: ControlPlane) -> None:
+    # Fails when values.schema.json's Kubernetes types drift from the API server the tests run,
+    # e.g. after a testbin upgrade: rerun scripts/values_schema_k8s.py against it.
+    script = values_schema_script()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    openapi = json.loads(control_plane.kubectl("get", "--raw", "/openapi/v3/api/v1").stdout)
+    assert script.regenerate(json.loads(json.dumps(schema)), openapi) == schema
 
 
 def can_i(cp: ControlPlane, account: str, verb: str, group: str, resource: str) -> bool:
@@ -37,7 +59,18 @@ def can_i(cp: ControlPlane, account: str, verb: str, group: str, resource: str) 
 
 def test_install_peered_release_and_check_every_grant(control_plane: ControlPlane, k8s_namespace: str) -> None:
     release = "chart-e2e"
-    control_plane.helm("install", release, str(CHART), "-n", k8s_namespace, "--set", "replicaCount=2", "--wait=false")
+    # --take-ownership: other tests in this session may have applied the CRD with kubectl.
+    control_plane.helm(
+        "install",
+        release,
+        str(CHART),
+        "-n",
+        k8s_namespace,
+        "--set",
+        "replicaCount=2",
+        "--wait=false",
+        "--take-ownership",
+    )
     try:
         account = f"system:serviceaccount:{k8s_namespace}:{release}-flashmodel-operator"
         grants = {
@@ -95,6 +128,9 @@ def test_namespaced_release_confines_the_operator(control_plane: ControlPlane, k
         "rbac.scope=namespaced",
         "--set",
         "rbac.aggregateToDefaultRoles=false",
+        # A second release in a cluster: only one release can own the cluster-wide CRD.
+        "--set",
+        "crds.enabled=false",
         "--wait=false",
     )
     try:
