@@ -200,15 +200,15 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         new_status["preflightRefusal"] = None
 
     secret_missing = False
-    if fm.spec.auth is not None:
-        ref = fm.spec.auth.api_key_secret_ref
-        secret = cluster.get("v1", "Secret", ns, ref.name)
-        secret_missing = secret is None or ref.key not in (secret.get("data") or {})
-        if secret_missing and problem is None:
+    for reason, where, ref_name, ref_key, instead in _referenced_secrets(fm):
+        secret = cluster.get("v1", "Secret", ns, ref_name)
+        missing = secret is None or ref_key not in (secret.get("data") or {})
+        secret_missing = secret_missing or missing
+        if missing and problem is None:
             problem = Problem(
-                "AuthSecretNotFound",
-                f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
-                f"{ref.key!r} not found; create it, or remove spec.auth (no pod starts until then)",
+                reason,
+                f"{where}: Secret {ns}/{ref_name} with key {ref_key!r} not found; "
+                f"create it, or {instead} (no pod starts until then)",
             )
 
     # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
@@ -219,8 +219,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
     children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
     if secret_missing:
-        # A pod without its key would serve without authentication or crash-loop on the missing mount;
-        # the Secret's arrival triggers a pass within seconds (handlers.wait_for_auth_secret).
+        # A pod without its key would serve without authentication or crash-loop on the missing mount,
+        # and one without its hub token would fail its download; the Secret's arrival triggers a pass
+        # within seconds (handlers.wait_for_secret).
         children = [c for c in children if c["kind"] != "Deployment"]
     for child in children:
         try:
@@ -295,6 +296,36 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     outcome.problem = problem
     _write_status(cluster, body, new_status, obs, outcome)
     return outcome
+
+
+SECRET_WAIT_REASONS = ("AuthSecretNotFound", "HubTokenSecretNotFound")
+"""The Degraded reasons of a model held until a Secret it references exists."""
+
+
+def _referenced_secrets(fm: FlashModel) -> list[tuple[str, str, str, str, str]]:
+    """(reason, field, Secret name, key, what else the user can do) for each Secret the pods read."""
+    refs = []
+    if fm.spec.auth is not None:
+        ref = fm.spec.auth.api_key_secret_ref
+        refs.append(("AuthSecretNotFound", "spec.auth.apiKeySecretRef", ref.name, ref.key, "remove spec.auth"))
+    hub = fm.spec.model.hub
+    if hub is not None and hub.token_secret_ref is not None:
+        token = hub.token_secret_ref
+        refs.append(("HubTokenSecretNotFound", "spec.model.hub.tokenSecretRef", token.name, token.key,
+                     "remove tokenSecretRef for a public model"))
+    return refs
+
+
+def referenced_secrets(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(Secret name, key) of each Secret a raw spec references, with the CRD's default keys."""
+    refs = []
+    auth = (spec.get("auth") or {}).get("apiKeySecretRef") or {}
+    if auth.get("name"):
+        refs.append((str(auth["name"]), str(auth.get("key") or "api-key")))
+    token = (((spec.get("model") or {}).get("hub") or {}).get("tokenSecretRef")) or {}
+    if token.get("name"):
+        refs.append((str(token["name"]), str(token.get("key") or "token")))
+    return refs
 
 
 _AUTOSCALER_API = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}
