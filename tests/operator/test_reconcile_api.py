@@ -167,6 +167,28 @@ def test_missing_auth_secret_is_degraded_with_what_to_do(
     assert outcome.applied["Deployment/auth"] == "created"
 
 
+def test_missing_hub_token_secret_holds_the_pods_and_says_what_to_do(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    spec = {"model": {"hub": {"id": "meta-llama/Llama-3.2-1B-Instruct", "tokenSecretRef": {"name": "hf"}}}}
+    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "gated", spec))
+    assert outcome.problem is not None and outcome.problem.reason == "HubTokenSecretNotFound"
+    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "gated")["status"]["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "HubTokenSecretNotFound"
+    assert f"spec.model.hub.tokenSecretRef: Secret {k8s_namespace}/hf with key 'token' not found" in degraded["message"]
+    assert "create it" in degraded["message"]
+    # A pod without its token would fail the gated download and crash-loop.
+    assert cluster.get("apps/v1", "Deployment", k8s_namespace, "gated") is None
+
+    control_plane.kubectl("create", "secret", "generic", "hf", "-n", k8s_namespace, "--from-literal=token=hf_x")
+    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "gated"))
+    assert outcome.problem is None
+    deployment = cluster.get("apps/v1", "Deployment", k8s_namespace, "gated") or {}
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+    assert "hf_x" not in json.dumps(deployment)
+
+
 @pytest.mark.parametrize(
     ("extra", "reason", "message"),
     [
