@@ -12,10 +12,12 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
+from pydantic import ValidationError
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
 from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
+from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, forget_model, reconcile, referenced_secrets
 
 log = logging.getLogger(__name__)
@@ -127,9 +129,13 @@ def wait_for_secret(namespace: str | None, name: str, spec: kopf.Spec, **_: Any)
     # watch on every Secret of the cluster, and would hold all their contents in this process.
     if namespace is None:
         return
-    for secret_name, key in referenced_secrets(dict(spec)):
-        secret = cluster().get("v1", "Secret", namespace, secret_name)
-        if secret is None or key not in (secret.get("data") or {}):
+    try:
+        refs = referenced_secrets(FlashModelSpec.model_validate(dict(spec)))
+    except ValidationError:
+        return  # the reconcile reports SpecInvalid; nothing to wait for
+    for use in refs:
+        secret = cluster().get("v1", "Secret", namespace, use.name)
+        if secret is None or use.key not in (secret.get("data") or {}):
             return
     log.info("event=secret-arrived model=%s/%s", namespace, name)
     _reconcile_latest(namespace, name)

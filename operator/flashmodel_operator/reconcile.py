@@ -23,7 +23,7 @@ from flashmodel_operator.apply import Cluster, api_message, namespace_terminatin
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.gating import gate_is_true
-from flashmodel_operator.model import FlashModel
+from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_PORT,
@@ -200,15 +200,15 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         new_status["preflightRefusal"] = None
 
     secret_missing = False
-    for reason, where, ref_name, ref_key, instead in _referenced_secrets(fm):
-        secret = cluster.get("v1", "Secret", ns, ref_name)
-        missing = secret is None or ref_key not in (secret.get("data") or {})
+    for use in referenced_secrets(fm.spec):
+        secret = cluster.get("v1", "Secret", ns, use.name)
+        missing = secret is None or use.key not in (secret.get("data") or {})
         secret_missing = secret_missing or missing
         if missing and problem is None:
             problem = Problem(
-                reason,
-                f"{where}: Secret {ns}/{ref_name} with key {ref_key!r} not found; "
-                f"create it, or {instead} (no pod starts until then)",
+                use.reason,
+                f"{use.field}: Secret {ns}/{use.name} with key {use.key!r} not found; "
+                f"create it, or {use.instead} (no pod starts until then)",
             )
 
     # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
@@ -302,29 +302,29 @@ SECRET_WAIT_REASONS = ("AuthSecretNotFound", "HubTokenSecretNotFound")
 """The Degraded reasons of a model held until a Secret it references exists."""
 
 
-def _referenced_secrets(fm: FlashModel) -> list[tuple[str, str, str, str, str]]:
-    """(reason, field, Secret name, key, what else the user can do) for each Secret the pods read."""
+@dataclass(frozen=True)
+class SecretUse:
+    """A Secret key the engine pods read, and what the status says while it is missing."""
+
+    reason: str
+    field: str
+    name: str
+    key: str
+    instead: str
+    """What else the user can do than create it."""
+
+
+def referenced_secrets(spec: FlashModelSpec) -> list[SecretUse]:
+    """Every Secret key the engine pods read: the API key, the hub token."""
     refs = []
-    if fm.spec.auth is not None:
-        ref = fm.spec.auth.api_key_secret_ref
-        refs.append(("AuthSecretNotFound", "spec.auth.apiKeySecretRef", ref.name, ref.key, "remove spec.auth"))
-    hub = fm.spec.model.hub
+    if spec.auth is not None:
+        ref = spec.auth.api_key_secret_ref
+        refs.append(SecretUse("AuthSecretNotFound", "spec.auth.apiKeySecretRef", ref.name, ref.key, "remove spec.auth"))
+    hub = spec.model.hub
     if hub is not None and hub.token_secret_ref is not None:
         token = hub.token_secret_ref
-        refs.append(("HubTokenSecretNotFound", "spec.model.hub.tokenSecretRef", token.name, token.key,
-                     "remove tokenSecretRef for a public model"))
-    return refs
-
-
-def referenced_secrets(spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """(Secret name, key) of each Secret a raw spec references, with the CRD's default keys."""
-    refs = []
-    auth = (spec.get("auth") or {}).get("apiKeySecretRef") or {}
-    if auth.get("name"):
-        refs.append((str(auth["name"]), str(auth.get("key") or "api-key")))
-    token = (((spec.get("model") or {}).get("hub") or {}).get("tokenSecretRef")) or {}
-    if token.get("name"):
-        refs.append((str(token["name"]), str(token.get("key") or "token")))
+        refs.append(SecretUse("HubTokenSecretNotFound", "spec.model.hub.tokenSecretRef", token.name, token.key,
+                              "remove tokenSecretRef for a public model"))
     return refs
 
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_operator.apply import Cluster
-from flashmodel_operator.model import FlashModel
-from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, _referenced_secrets, reconcile, referenced_secrets
+from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, reconcile, referenced_secrets
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import ControlPlane
@@ -329,9 +329,9 @@ def _wait_for_pod(cp: ControlPlane, namespace: str, model: str, timeout: float =
 
 def test_the_secret_wait_looks_for_every_secret_the_pods_read() -> None:
     # The 2 s timer (handlers.wait_for_secret) runs on these reasons and GETs exactly these Secrets.
-    spec = {"model": {"hub": {"id": "org/gated", "tokenSecretRef": {"name": "hf"}}},
-            "auth": {"apiKeySecretRef": {"name": "keys", "key": "k"}}}
-    assert sorted(referenced_secrets(spec)) == [("hf", "token"), ("keys", "k")]
-    assert referenced_secrets({"model": {"hub": {"id": "org/public"}}}) == []
-    fm = FlashModel.from_body({"metadata": {"name": "m", "namespace": "n", "uid": "u"}, "spec": spec})
-    assert {r[0] for r in _referenced_secrets(fm)} == set(SECRET_WAIT_REASONS)
+    spec = FlashModelSpec.model_validate({"model": {"hub": {"id": "org/gated", "tokenSecretRef": {"name": "hf"}}},
+                                          "auth": {"apiKeySecretRef": {"name": "keys", "key": "k"}}})
+    refs = referenced_secrets(spec)
+    assert sorted((r.name, r.key) for r in refs) == [("hf", "token"), ("keys", "k")]
+    assert {r.reason for r in refs} == set(SECRET_WAIT_REASONS)
+    assert referenced_secrets(FlashModelSpec.model_validate({"model": {"hub": {"id": "org/public"}}})) == []
