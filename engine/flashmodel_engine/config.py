@@ -32,6 +32,11 @@ class ModelSource(_Strict):
         description="Weight quantization: auto (config.json's quant_method), none, or a vLLM method; "
         "the launcher passes it as --quantization.",
     )
+    revision: str | None = Field(
+        default=None, min_length=1,
+        description="Hub branch, tag or commit of the weights and of any remote code (--revision, --code-revision); "
+        "None: the hub's default branch.",
+    )
 
 
 class EngineSettings(_Strict):
@@ -118,6 +123,17 @@ class AuthSettings(_Strict):
     api_key_file: str = Field(min_length=1, description="File holding the API key (a mounted Secret).")
 
 
+class ObservabilitySettings(_Strict):
+    """Where vLLM sends its OpenTelemetry request spans."""
+
+    otlp_traces_endpoint: str | None = Field(
+        default=None, min_length=1, description="OTLP collector URL (--otlp-traces-endpoint); None: no tracing."
+    )
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] = Field(
+        default="grpc", description="OTLP transport (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); grpc is vLLM's default."
+    )
+
+
 class ServerSettings(_Strict):
     """Where the engine and the shim listen."""
 
@@ -144,6 +160,7 @@ class EngineConfig(_Strict):
     health: HealthSettings = Field(default_factory=HealthSettings, description="Probes.")
     remediation: RemediationSettings = Field(default_factory=RemediationSettings, description="Signals.")
     auth: AuthSettings | None = Field(default=None, description="Absent: no API key.")
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings, description="Tracing.")
     server: ServerSettings = Field(default_factory=ServerSettings, description="Ports and bind address.")
 
 

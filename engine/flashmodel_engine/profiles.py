@@ -36,12 +36,17 @@ ENFORCED_FLAGS: dict[str, str] = {
     "--quantization": QUANTIZATION_FIELD,
     "--quantization-config": QUANTIZATION_FIELD,
     "--model": "model.path",
+    # The weights and any remote code come from the revision the spec pins (the tokenizer follows
+    # --revision in vLLM unless --tokenizer names another repository).
+    "--revision": "model.revision",
+    "--code-revision": "model.revision",
     "--served-model-name": "model.servedName",
     "--host": "server.host",
     "--port": "server.enginePort",
     "--api-key": "auth.apiKeyFile",
     # The launcher's drain relies on it (vLLM finishes in-flight requests this long on SIGTERM).
     "--shutdown-timeout": "server.drainTimeoutSeconds",
+    "--otlp-traces-endpoint": "observability.otlpTracesEndpoint",
 }
 # Flags that are not enforced one by one but would set an enforced setting or the whole config.
 _ALIASES: dict[str, str] = {
@@ -373,12 +378,22 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
     method = quantization_flag(config, checkpoint_method)
     if method is not None:
         args += ["--quantization", method]
+    if config.model.revision is not None:
+        args += ["--revision", config.model.revision, "--code-revision", config.model.revision]
+    if config.observability.otlp_traces_endpoint is not None:
+        args += ["--otlp-traces-endpoint", config.observability.otlp_traces_endpoint]
     return args
 
 
 def vllm_env(config: EngineConfig) -> dict[str, str]:
-    """Environment variables the profile sets for vLLM (the API key is added by the launcher)."""
+    """Environment variables the profile and the tracing set for vLLM (the API key is added by the launcher)."""
+    env: dict[str, str] = {}
     if config.accelerator == "cpu":
         # vLLM's CPU backend sizes its KV cache from this, not from gpu-memory-utilization.
-        return {"VLLM_CPU_KVCACHE_SPACE": str(config.engine.cpu_kv_cache_space_gib)}
-    return {}
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.engine.cpu_kv_cache_space_gib)
+    if config.observability.otlp_traces_endpoint is not None:
+        # vLLM takes the transport only from the environment; the service name tells one model's
+        # spans from another's in the collector (the SDK's default is unknown_service).
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = config.observability.otlp_traces_protocol
+        env["OTEL_SERVICE_NAME"] = config.model.served_name
+    return env

@@ -12,11 +12,13 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
+from pydantic import ValidationError
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
 from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
-from flashmodel_operator.reconcile import forget_model, reconcile
+from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, forget_model, reconcile, referenced_secrets
 
 log = logging.getLogger(__name__)
 
@@ -108,30 +110,35 @@ def resync(namespace: str | None, name: str, **_: Any) -> None:
     _reconcile_latest(namespace, name)
 
 
-AUTH_WAIT_SECONDS = 2.0
-"""How often a model held for its missing API-key Secret looks for it."""
+SECRET_WAIT_SECONDS = 2.0
+"""How often a model held for a missing Secret (its API key, its hub token) looks for it."""
 
 
-def _waiting_for_auth_secret(status: kopf.Status, **_: Any) -> bool:
+def _waiting_for_secret(status: kopf.Status, **_: Any) -> bool:
     return any(
-        c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") == "AuthSecretNotFound"
+        c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") in SECRET_WAIT_REASONS
         for c in status.get("conditions") or []
     )
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTH_WAIT_SECONDS, when=_waiting_for_auth_secret,
+@kopf.timer(GROUP, VERSION, PLURAL, interval=SECRET_WAIT_SECONDS, when=_waiting_for_secret,
             backoff=HANDLER_BACKOFF_SECONDS)
-def wait_for_auth_secret(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> None:
-    # A model waiting for its key (no Deployment until it exists) goes on within seconds of its
+def wait_for_secret(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> None:
+    # A model waiting for a Secret (no Deployment until it exists) goes on within seconds of its
     # creation, not at the next resync. One GET by name while it waits: a watch would need list and
     # watch on every Secret of the cluster, and would hold all their contents in this process.
-    ref = (spec.get("auth") or {}).get("apiKeySecretRef") or {}
-    if namespace is None or not ref.get("name"):
+    if namespace is None:
         return
-    secret = cluster().get("v1", "Secret", namespace, str(ref["name"]))
-    if secret is not None and str(ref.get("key") or "api-key") in (secret.get("data") or {}):
-        log.info("event=auth-secret-arrived model=%s/%s secret=%s", namespace, name, ref["name"])
-        _reconcile_latest(namespace, name)
+    try:
+        refs = referenced_secrets(FlashModelSpec.model_validate(dict(spec)))
+    except ValidationError:
+        return  # the reconcile reports SpecInvalid; nothing to wait for
+    for use in refs:
+        secret = cluster().get("v1", "Secret", namespace, use.name)
+        if secret is None or use.key not in (secret.get("data") or {}):
+            return
+    log.info("event=secret-arrived model=%s/%s", namespace, name)
+    _reconcile_latest(namespace, name)
 
 
 def _owner_name(body: kopf.Body) -> str | None:

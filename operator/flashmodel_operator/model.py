@@ -29,11 +29,32 @@ class ImageSource(_Spec):
     path: str = "/"
 
 
+class HubTokenRef(_Spec):
+    """The Secret key whose value the engine gets as HF_TOKEN, for gated or private hub models."""
+
+    name: str
+    key: str = "token"
+
+
+class CachePVC(_Spec):
+    """A PersistentVolumeClaim, in the FlashModel's namespace, that holds the hub cache."""
+
+    claim_name: str
+
+
+class HubCache(_Spec):
+    """Where the hub cache (HF_HOME) lives; absent: the pod's emptyDir, filled again at every pod start."""
+
+    pvc: CachePVC
+
+
 class HubSource(_Spec):
     """A model id that vLLM resolves itself (a hub id or a path inside the engine image)."""
 
     id: str
     revision: str = "main"
+    token_secret_ref: HubTokenRef | None = None
+    cache: HubCache | None = None
 
 
 class ModelSpec(_Spec):
@@ -123,6 +144,13 @@ class AuthSpec(_Spec):
     api_key_secret_ref: SecretKeyRef
 
 
+class ObservabilitySpec(_Spec):
+    """Where the engine sends its OpenTelemetry request spans."""
+
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] = "grpc"
+
+
 class FlashModelSpec(_Spec):
     """What the user asks for."""
 
@@ -135,6 +163,7 @@ class FlashModelSpec(_Spec):
     remediation: RemediationSpec = Field(default_factory=RemediationSpec)
     autoscaling: AutoscalingSpec | None = None
     auth: AuthSpec | None = None
+    observability: ObservabilitySpec | None = None
     # Core Kubernetes types pass through untouched: the API server already validated them.
     resources: dict[str, Any] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict)

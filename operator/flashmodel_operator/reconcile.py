@@ -23,7 +23,7 @@ from flashmodel_operator.apply import Cluster, api_message, namespace_terminatin
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.gating import gate_is_true
-from flashmodel_operator.model import FlashModel
+from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_PORT,
@@ -200,15 +200,15 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         new_status["preflightRefusal"] = None
 
     secret_missing = False
-    if fm.spec.auth is not None:
-        ref = fm.spec.auth.api_key_secret_ref
-        secret = cluster.get("v1", "Secret", ns, ref.name)
-        secret_missing = secret is None or ref.key not in (secret.get("data") or {})
-        if secret_missing and problem is None:
+    for use in referenced_secrets(fm.spec):
+        secret = cluster.get("v1", "Secret", ns, use.name)
+        missing = secret is None or use.key not in (secret.get("data") or {})
+        secret_missing = secret_missing or missing
+        if missing and problem is None:
             problem = Problem(
-                "AuthSecretNotFound",
-                f"spec.auth.apiKeySecretRef: Secret {ns}/{ref.name} with key "
-                f"{ref.key!r} not found; create it, or remove spec.auth (no pod starts until then)",
+                use.reason,
+                f"{use.field}: Secret {ns}/{use.name} with key {use.key!r} not found; "
+                f"create it, or {use.instead} (no pod starts until then)",
             )
 
     # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
@@ -219,8 +219,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
     children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
     if secret_missing:
-        # A pod without its key would serve without authentication or crash-loop on the missing mount;
-        # the Secret's arrival triggers a pass within seconds (handlers.wait_for_auth_secret).
+        # A pod without its key would serve without authentication or crash-loop on the missing mount,
+        # and one without its hub token would fail its download; the Secret's arrival triggers a pass
+        # within seconds (handlers.wait_for_secret).
         children = [c for c in children if c["kind"] != "Deployment"]
     for child in children:
         try:
@@ -295,6 +296,36 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     outcome.problem = problem
     _write_status(cluster, body, new_status, obs, outcome)
     return outcome
+
+
+SECRET_WAIT_REASONS = ("AuthSecretNotFound", "HubTokenSecretNotFound")
+"""The Degraded reasons of a model held until a Secret it references exists."""
+
+
+@dataclass(frozen=True)
+class SecretUse:
+    """A Secret key the engine pods read, and what the status says while it is missing."""
+
+    reason: str
+    field: str
+    name: str
+    key: str
+    instead: str
+    """What else the user can do than create it."""
+
+
+def referenced_secrets(spec: FlashModelSpec) -> list[SecretUse]:
+    """Every Secret key the engine pods read: the API key, the hub token."""
+    refs = []
+    if spec.auth is not None:
+        ref = spec.auth.api_key_secret_ref
+        refs.append(SecretUse("AuthSecretNotFound", "spec.auth.apiKeySecretRef", ref.name, ref.key, "remove spec.auth"))
+    hub = spec.model.hub
+    if hub is not None and hub.token_secret_ref is not None:
+        token = hub.token_secret_ref
+        refs.append(SecretUse("HubTokenSecretNotFound", "spec.model.hub.tokenSecretRef", token.name, token.key,
+                              "remove tokenSecretRef for a public model"))
+    return refs
 
 
 _AUTOSCALER_API = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}

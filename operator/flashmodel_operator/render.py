@@ -29,6 +29,10 @@ PREWARM_GATE = f"{GROUP}/prewarmed"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 APPLIED_HASH_ANNOTATION = f"{GROUP}/applied-hash"
 MODEL_LABEL = f"{GROUP}/model"
+CACHE_DIR = "/cache"
+HF_HOME = f"{CACHE_DIR}/huggingface"
+HUB_CACHE_VOLUME = "hub-cache"
+HUB_DEFAULT_REVISION = "main"
 
 
 def selector_labels(fm: FlashModel) -> dict[str, str]:
@@ -97,6 +101,13 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
             "controlTokenFile": f"{CONTROL_DIR}/{CONTROL_TOKEN_KEY}",
         },
     }
+    hub = spec.model.hub
+    if hub is not None and hub.revision != HUB_DEFAULT_REVISION:
+        # Only when pinned: main is what vLLM fetches without the flag, and writing it would change
+        # the config hash of every existing hub model.
+        config["model"]["revision"] = hub.revision
+    if spec.observability is not None and spec.observability.otlp_traces_endpoint is not None:
+        config["observability"] = spec.observability.model_dump(by_alias=True, exclude_none=True)
     if spec.model.quantization != "auto":
         # Only when set: auto is the engine's default too, and writing it would change the config
         # hash of every existing model, so upgrading the operator would restart all their pods.
@@ -182,13 +193,19 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         # Caches go to a writable emptyDir: the root filesystem is read-only. An emptyDir lives as
         # long as the pod, so a restarted container finds vLLM's torch.compile artifacts, Inductor's
         # and Triton's kernels there and loads them instead of compiling again.
-        {"name": "HOME", "value": "/cache"},
-        {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": HF_HOME},
         {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/cache/torchinductor"},
         {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
     ]
     env += [{"name": k, "value": v} for k, v in sorted(profile.env.items())]
+    hub = spec.model.hub
+    if hub is not None and hub.token_secret_ref is not None:
+        # From the Secret at container start: the token is never in the pod spec, the engine
+        # ConfigMap or status, and a user reading the Deployment does not see it.
+        token = hub.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
 
     model_volumes, model_mounts = _model_volume(fm)
     volumes: list[dict[str, Any]] = [
@@ -203,10 +220,16 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "control", "mountPath": CONTROL_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "cache", "mountPath": "/cache"},
+        {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
         *model_mounts,
     ]
+    if hub is not None and hub.cache is not None:
+        # Mounted over HF_HOME inside the emptyDir: downloads land on the shared claim, and the next
+        # pod (on any node) finds the files there instead of fetching them again. The compile caches
+        # stay per pod, since they hold kernels built for this pod's GPU and software.
+        volumes.append({"name": HUB_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": hub.cache.pvc.claim_name}})
+        mounts.append({"name": HUB_CACHE_VOLUME, "mountPath": HF_HOME})
     if spec.auth is not None:
         ref = spec.auth.api_key_secret_ref
         volumes.append(
@@ -503,9 +526,22 @@ _ENFORCED_CONTAINER_FIELDS = {
 }
 
 
-# The volumes whose content the engine reads (its config, the operator's token, the weights, the API key);
-# the scratch ones (cache, tmp, dshm) a patch may resize.
-_READ_VOLUMES = frozenset({"config", "control", "model", "auth"})
+# The volumes whose content the engine reads (its config, the operator's token, the weights, the API key,
+# the hub cache); the scratch ones (cache, tmp, dshm) a patch may resize.
+_READ_VOLUMES = frozenset({"config", "control", "model", "auth", HUB_CACHE_VOLUME})
+
+# Environment that decides which hub token the engine presents and where the hub cache is: only
+# spec.model.hub sets them. The engine container's `env` wins over its `envFrom`, so the operator's
+# own entries cannot be undone from a Secret either; a token a patch's envFrom brings while
+# tokenSecretRef is unset is one from the user's own namespace, as tokenSecretRef would name.
+_HUB_ENV = {
+    "HF_TOKEN": "set spec.model.hub.tokenSecretRef instead",
+    "HUGGING_FACE_HUB_TOKEN": "set spec.model.hub.tokenSecretRef instead",
+    "HF_TOKEN_PATH": "set spec.model.hub.tokenSecretRef instead",
+    "HF_HOME": "set spec.model.hub.cache instead",
+    "HF_HUB_CACHE": "set spec.model.hub.cache instead",
+    "HUGGINGFACE_HUB_CACHE": "set spec.model.hub.cache instead",
+}
 
 
 def _list(obj: dict[str, Any], key: str) -> list[Any]:
@@ -576,6 +612,17 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
             mounts = [m for m in mounts if m not in at]
             mounts.append(copy.deepcopy(mount))
     engine["volumeMounts"] = mounts
+
+    env = [e for e in _list(engine, "env") if isinstance(e, dict)]
+    base_env = {e["name"]: e for e in base_engine["env"] if e["name"] in _HUB_ENV}
+    for name, instead in _HUB_ENV.items():
+        given = [e for e in env if e.get("name") == name]
+        want = [base_env[name]] if name in base_env else []
+        if given != want:
+            problems.append(f"{where} changes the engine container's env {name}, which picks the hub token or cache; "
+                            f"{instead}, and remove it from the patch")
+            env = [e for e in env if e.get("name") != name] + copy.deepcopy(want)
+    engine["env"] = env
 
     resources = _dict(engine, "resources")
     for part in ("limits", "requests"):

@@ -205,6 +205,18 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.model needs exactly one source: set one of pvc, image or hub (the engine loads one model per pod)",
     ),
     (
+        "otlp-endpoint-without-scheme",
+        {"model": MODEL, "observability": {"otlpTracesEndpoint": "otel-collector:4317"}},
+        "spec.observability.otlpTracesEndpoint",
+        "otlpTracesEndpoint must be an http:// or https:// URL with a host and no credentials",
+    ),
+    (
+        "otlp-endpoint-with-credentials",
+        {"model": MODEL, "observability": {"otlpTracesEndpoint": "https://user:pass@otel:4318/v1/traces"}},
+        "spec.observability.otlpTracesEndpoint",
+        "fix spec.observability.otlpTracesEndpoint",
+    ),
+    (
         "two-model-sources",
         {"model": {"hub": {"id": "a/b"}, "pvc": {"claimName": "models"}}},
         "spec.model",
@@ -263,6 +275,10 @@ ENFORCED_ARGS: list[tuple[list[str], str, str]] = [
     (["--quantization", "awq"], "--quantization", "set spec.model.quantization instead"),
     (["--quantization_config={}"], "--quantization-config", "set spec.model.quantization instead"),
     (["--quant", "gptq"], "--quantization", "set spec.model.quantization instead"),
+    (["--revision", "dev"], "--revision", "set spec.model.hub.revision instead"),
+    (["--code_revision=dev"], "--code-revision", "set spec.model.hub.revision instead"),
+    (["--otlp-traces-endpoint", "http://otel:4317"], "--otlp-traces-endpoint",
+     "set spec.observability.otlpTracesEndpoint instead"),
     (["-O3"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
     (["-tp", "2"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
     (["-q", "awq"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
@@ -368,6 +384,24 @@ def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace:
             "hungReadinessSeconds": 120,
         },
     }
+
+
+def test_hub_token_cache_and_tracing_are_accepted_with_their_defaults(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    spec = {
+        "model": {"hub": {"id": "meta-llama/Llama-3.2-1B-Instruct", "tokenSecretRef": {"name": "hf"},
+                          "cache": {"pvc": {"claimName": "hf-cache"}}}},
+        "observability": {"otlpTracesEndpoint": "http://otel-collector.monitoring:4317"},
+    }
+    rc, stderr = create(control_plane, namespace, "gated", spec)
+    assert rc == 0, stderr
+    got = get(control_plane, namespace, "gated")["spec"]
+    assert got["model"]["hub"] == {"id": "meta-llama/Llama-3.2-1B-Instruct", "revision": "main",
+                                   "tokenSecretRef": {"name": "hf", "key": "token"},
+                                   "cache": {"pvc": {"claimName": "hf-cache"}}}
+    assert got["observability"] == {"otlpTracesEndpoint": "http://otel-collector.monitoring:4317",
+                                    "otlpTracesProtocol": "grpc"}
 
 
 def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namespace: str) -> None:

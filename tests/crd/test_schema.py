@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from copy import deepcopy
 from pathlib import Path
@@ -172,3 +173,61 @@ def test_every_method_the_t4_refuses_has_a_cel_rule_and_no_other_does() -> None:
     t4_rules = [r["rule"] for r in rules if r.get("fieldPath") == ".model.quantization" and "'t4'" in r["rule"]]
     named = {m for m in TABLE for rule in t4_rules if f"'{m}'" in rule}
     assert named == {m for m, entry in TABLE.items() if entry.t4 is not None}
+
+
+# What a cluster user cannot open: files of this repository, named in what `kubectl explain` shows.
+_REPO_PATH = re.compile(
+    r"(?<![\w.:/-])(docs|engine|operator|kernels|charts|crds|tests|e2e|examples|scripts|bench)/"
+    r"|\bflashmodel_(engine|operator|kernels)/|\w\.(py|md|ipynb)\b"
+)
+# A number means something only with its unit (or what it counts).
+_UNIT = re.compile(
+    r"\b(seconds?|milliseconds?|minutes?|hours?|bytes|KiB|MiB|GiB|fraction|ratio|percent|requests?|tokens|"
+    r"replicas|pods?|sequences|restarts|evictions|attempts|GPUs?|blocks?)\b",
+    re.IGNORECASE,
+)
+
+# A field named for its unit says that unit in words (kubectl explain shows the description, not the name's suffix).
+_NAMED_UNITS = {"Milliseconds": "milliseconds", "Seconds": "seconds", "Ms": "milliseconds", "GiB": "GiB",
+                "PerHour": "hour", "Ratio": "fraction"}
+
+
+def _described(node: dict[str, Any]) -> str:
+    return " ".join(str(node.get("description", "")).split())
+
+
+def test_no_description_or_rule_message_names_a_repository_file() -> None:
+    found = []
+    for path, node in walk(schema(), ""):
+        texts = [_described(node)] + [" ".join(r.get("message", "").split())
+                                      for r in node.get("x-kubernetes-validations") or []]
+        found += [f"{path}: {m.group(0)!r} in {t!r}" for t in texts for m in [_REPO_PATH.search(t)] if m]
+    assert found == []
+
+
+def test_the_repository_path_check_catches_a_path() -> None:
+    assert _REPO_PATH.search("refused (docs/quantization.md)")
+    assert _REPO_PATH.search("see flashmodel_engine/profiles.py")
+    assert not _REPO_PATH.search("e.g. registry.example.com/models/qwen:1.5b, or http://otel:4317/v1/traces")
+
+
+# Numbers whose descriptions get units and defaults in the autoscaling rework on its own branch.
+_PENDING = {"spec.autoscaling.minReplicas", "spec.autoscaling.windowSeconds",
+            "spec.autoscaling.scaleUpStabilizationSeconds", "spec.autoscaling.scaleDownStabilizationSeconds"}
+
+
+def test_every_spec_number_says_its_unit_and_default() -> None:
+    missing = []
+    for path, node in walk(schema()["properties"]["spec"], "spec"):
+        if node.get("type") not in ("integer", "number") or path in _PENDING:
+            continue
+        text = _described(node)
+        named = next((u for suffix, u in _NAMED_UNITS.items() if path.endswith(suffix)), None)
+        if named is not None:
+            if not re.search(rf"\b{named}\b", text, re.IGNORECASE):
+                missing.append(f"{path}: its name says {named}, its description does not: {text!r}")
+        elif not _UNIT.search(text):
+            missing.append(f"{path}: no unit in {text!r}")
+        if "default" in node and not re.search(rf"\b[Dd]efault:? {re.escape(str(node['default']))}\b", text):
+            missing.append(f"{path}: default {node['default']} not in {text!r}")
+    assert missing == []

@@ -101,6 +101,10 @@ def test_launcher_command_and_api_key_through_environment(tmp_path: Any) -> None
     ("t4", {"extraArgs": ["--no-enforce-eager"]}, "sets the enforced flag --enforce-eager"),
     ("t4", {"extraArgs": ["--api-key=abc"]}, "remove it and set auth.apiKeyFile instead"),
     ("t4", {"extraArgs": ["--config", "x.yaml"]}, "a vLLM config file could override enforced flags"),
+    ("t4", {"extraArgs": ["--revision", "dev"]}, "sets the enforced flag --revision; remove it and set model.revision"),
+    ("t4", {"extraArgs": ["--code_revision=dev"]}, "sets the enforced flag --code-revision"),
+    ("t4", {"extraArgs": ["--otlp-traces-endpoint", "http://x:4317"]},
+     "remove it and set observability.otlpTracesEndpoint instead"),
 ])
 def test_conflicts_are_refused_with_the_reason(accelerator: str, engine: dict[str, Any], message: str) -> None:
     with pytest.raises(ProfileError) as err:
@@ -144,3 +148,26 @@ def test_design_doc_example_parses() -> None:
     })
     assert config.remediation.low_kv_cache_usage == 0.5
     assert config.model.served_name == "qwen"
+
+
+def hub(**model: Any) -> EngineConfig:
+    return parse_config({"accelerator": "t4", "model": {"path": "org/llm", "servedName": "llm", **model}})
+
+
+def test_hub_revision_pins_the_weights_and_the_remote_code() -> None:
+    args = vllm_args(hub(revision="v1.2"))
+    assert flag(args, "--revision") == "v1.2" and flag(args, "--code-revision") == "v1.2"
+    # The tokenizer follows --revision inside vLLM; a flag here would pin a --tokenizer from extraArgs wrongly.
+    assert "--tokenizer-revision" not in args
+    assert "--revision" not in vllm_args(hub()) and "--code-revision" not in vllm_args(hub())
+
+
+def test_tracing_sets_the_endpoint_flag_protocol_and_service_name() -> None:
+    config = parse_config({"accelerator": "t4", "model": {"path": "org/llm", "servedName": "llm"},
+                           "observability": {"otlpTracesEndpoint": "https://otel:4318/v1/traces",
+                                             "otlpTracesProtocol": "http/protobuf"}})
+    assert flag(vllm_args(config), "--otlp-traces-endpoint") == "https://otel:4318/v1/traces"
+    assert vllm_env(config) == {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "llm"}
+    assert engine_environment(config, {})["OTEL_SERVICE_NAME"] == "llm"
+    assert "--otlp-traces-endpoint" not in vllm_args(hub())
+    assert not any(k.startswith("OTEL_") for k in vllm_env(hub()))

@@ -143,3 +143,11 @@ class TestAgainstVLLMsParser:
     def test_the_profile_value_wins_over_an_extra_arg_that_came_earlier(self, parser: Any) -> None:
         ns = parser.parse_args(["--max-model-len", "2048", "--max-model-len", "1024"])
         assert ns.max_model_len == 1024
+
+    def test_hub_revision_and_tracing_flags_reach_vllms_settings(self, parser: Any) -> None:
+        config = parse_config({"accelerator": "t4",
+                               "model": {"path": "org/llm", "servedName": "llm", "revision": "abc"},
+                               "observability": {"otlpTracesEndpoint": "http://otel:4317"}})
+        ns = parser.parse_args(vllm_args(config))
+        assert (ns.revision, ns.code_revision, ns.otlp_traces_endpoint) == ("abc", "abc", "http://otel:4317")
+        assert ns.tokenizer_revision is None  # vLLM then gives the tokenizer the model's revision

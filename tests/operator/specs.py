@@ -67,4 +67,21 @@ CPU_HUB = body(
     },
 )
 
-ALL = {"minimal-t4": MINIMAL_T4, "full-t4": FULL_T4, "cpu-hub": CPU_HUB}
+# A gated hub model pinned to a commit, its token from a Secret, its downloads on a shared claim, traced.
+GATED_HUB_T4 = body(
+    "llama-gated",
+    {
+        "model": {
+            "hub": {
+                "id": "meta-llama/Llama-3.2-1B-Instruct",
+                "revision": "9213176726f574b556790deb65791e0c5aa438b6",
+                "tokenSecretRef": {"name": "hf-token", "key": "token"},
+                "cache": {"pvc": {"claimName": "hf-cache"}},
+            },
+            "servedName": "llama",
+        },
+        "observability": {"otlpTracesEndpoint": "http://otel-collector.monitoring:4317"},
+    },
+)
+
+ALL = {"minimal-t4": MINIMAL_T4, "full-t4": FULL_T4, "cpu-hub": CPU_HUB, "gated-hub-t4": GATED_HUB_T4}

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
 from flashmodel_operator.apply import Cluster
-from flashmodel_operator.reconcile import reconcile
+from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, reconcile, referenced_secrets
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import ControlPlane
@@ -167,6 +168,28 @@ def test_missing_auth_secret_is_degraded_with_what_to_do(
     assert outcome.applied["Deployment/auth"] == "created"
 
 
+def test_missing_hub_token_secret_holds_the_pods_and_says_what_to_do(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    spec = {"model": {"hub": {"id": "meta-llama/Llama-3.2-1B-Instruct", "tokenSecretRef": {"name": "hf"}}}}
+    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "gated", spec))
+    assert outcome.problem is not None and outcome.problem.reason == "HubTokenSecretNotFound"
+    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "gated")["status"]["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "HubTokenSecretNotFound"
+    assert f"spec.model.hub.tokenSecretRef: Secret {k8s_namespace}/hf with key 'token' not found" in degraded["message"]
+    assert "create it" in degraded["message"]
+    # A pod without its token would fail the gated download and crash-loop.
+    assert cluster.get("apps/v1", "Deployment", k8s_namespace, "gated") is None
+
+    control_plane.kubectl("create", "secret", "generic", "hf", "-n", k8s_namespace, "--from-literal=token=hf_x")
+    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "gated"))
+    assert outcome.problem is None
+    deployment = cluster.get("apps/v1", "Deployment", k8s_namespace, "gated") or {}
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+    assert "hf_x" not in json.dumps(deployment)
+
+
 @pytest.mark.parametrize(
     ("extra", "reason", "message"),
     [
@@ -302,3 +325,13 @@ def _wait_for_pod(cp: ControlPlane, namespace: str, model: str, timeout: float =
             return names[0]
         time.sleep(0.5)
     raise AssertionError(f"no pod of {namespace}/{model} appeared within {timeout}s")
+
+
+def test_the_secret_wait_looks_for_every_secret_the_pods_read() -> None:
+    # The 2 s timer (handlers.wait_for_secret) runs on these reasons and GETs exactly these Secrets.
+    spec = FlashModelSpec.model_validate({"model": {"hub": {"id": "org/gated", "tokenSecretRef": {"name": "hf"}}},
+                                          "auth": {"apiKeySecretRef": {"name": "keys", "key": "k"}}})
+    refs = referenced_secrets(spec)
+    assert sorted((r.name, r.key) for r in refs) == [("hf", "token"), ("keys", "k")]
+    assert {r.reason for r in refs} == set(SECRET_WAIT_REASONS)
+    assert referenced_secrets(FlashModelSpec.model_validate({"model": {"hub": {"id": "org/public"}}})) == []

@@ -20,7 +20,7 @@ from flashmodel_operator.render import (
     strategic_merge,
 )
 
-from tests.operator.specs import ALL, CPU_HUB, FULL_T4, MINIMAL_T4
+from tests.operator.specs import ALL, CPU_HUB, FULL_T4, GATED_HUB_T4, MINIMAL_T4
 
 GOLDEN = Path(__file__).parent.parent / "data" / "render"
 
@@ -192,6 +192,14 @@ ENFORCED_PATCHES: list[tuple[dict[str, Any], str]] = [
     ({"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}, "changes the volume config"),
     ({"metadata": {"labels": {"app.kubernetes.io/instance": "x"}}}, "changes the pod label app.kubernetes.io/instance"),
     ({"spec": {"$retainKeys": ["containers"]}}, "the directive $retainKeys is not supported"),
+    ({"spec": {"containers": [{"name": "engine", "env": [{"name": "HF_TOKEN", "value": "hf_mine"}]}]}},
+     "changes the engine container's env HF_TOKEN"),
+    ({"spec": {"containers": [{"name": "engine", "env": [{"name": "HF_HOME", "value": "/tmp/hf"}]}]}},
+     "changes the engine container's env HF_HOME"),
+    ({"spec": {"containers": [{"name": "engine", "env": [{"name": "HF_HOME", "$patch": "delete"}]}]}},
+     "changes the engine container's env HF_HOME"),
+    ({"spec": {"containers": [{"name": "engine", "env": [{"name": "HF_HUB_CACHE", "value": "/tmp/hub"}]}]}},
+     "set spec.model.hub.cache instead"),
 ]
 
 
@@ -260,3 +268,64 @@ def test_compile_caches_live_on_the_pods_empty_dir() -> None:
     assert next(v for v in pod["volumes"] if v["name"] == "cache") == {"name": "cache", "emptyDir": {}}
     for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         assert str(env[name]).startswith(mount + "/"), name
+
+
+def _gated_pod() -> dict[str, Any]:
+    pod: dict[str, Any] = _by_kind(_children(GATED_HUB_T4))["Deployment"]["spec"]["template"]["spec"]
+    return pod
+
+
+def test_hub_revision_pins_weights_and_code_on_the_command_line() -> None:
+    fm = FlashModel.from_body(GATED_HUB_T4)
+    args = engine_args(engine_config(fm))
+    revision = "9213176726f574b556790deb65791e0c5aa438b6"
+    assert args[args.index("--revision") + 1] == revision
+    assert args[args.index("--code-revision") + 1] == revision
+    # main is what vLLM fetches without the flag: no flag, and no change to existing models' config hash.
+    assert "--revision" not in engine_args(engine_config(FlashModel.from_body(CPU_HUB)))
+    assert "revision" not in engine_config(FlashModel.from_body(CPU_HUB))["model"]
+
+
+def test_hub_token_comes_from_the_secret_and_nowhere_else() -> None:
+    pod = _gated_pod()
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    configmap = _by_kind(_children(GATED_HUB_T4))["ConfigMap"]
+    assert "hf-token" not in str(configmap) and "token" not in yaml.safe_load(configmap["data"]["engine.yaml"])["model"]
+    assert "HF_TOKEN" not in {e["name"] for e in _by_kind(_children(CPU_HUB))["Deployment"]["spec"]["template"]
+                              ["spec"]["containers"][0]["env"]}
+
+
+def test_a_patch_cannot_point_the_hub_token_elsewhere() -> None:
+    patch = {"spec": {"containers": [{"name": "engine", "env": [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "someone-elses", "key": "token"}}}]}]}}
+    fm = FlashModel.from_body({**GATED_HUB_T4, "spec": {**GATED_HUB_T4["spec"], "podTemplatePatch": patch}})
+    assert any("env HF_TOKEN" in p and "spec.model.hub.tokenSecretRef" in p for p in pod_template_problems(fm))
+    env = [e for e in _engine(render_pod_template(fm))["env"] if e["name"] == "HF_TOKEN"]
+    assert env == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}]
+
+
+def test_hub_cache_claim_is_mounted_at_hf_home_and_compile_caches_stay_in_the_pod() -> None:
+    pod = _gated_pod()
+    engine = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert {"name": "hub-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+    assert {"name": "hub-cache", "mountPath": env["HF_HOME"]} in engine["volumeMounts"]
+    assert next(v for v in pod["volumes"] if v["name"] == "cache") == {"name": "cache", "emptyDir": {}}
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert not str(env[name]).startswith(str(env["HF_HOME"])), name
+    # Without spec.model.hub.cache, nothing changes: the emptyDir holds the downloads.
+    cpu = _by_kind(_children(CPU_HUB))["Deployment"]["spec"]["template"]["spec"]
+    assert "hub-cache" not in {v["name"] for v in cpu["volumes"]}
+    patch = {"spec": {"volumes": [{"name": "hub-cache", "emptyDir": {}}]}}
+    fm = FlashModel.from_body({**GATED_HUB_T4, "spec": {**GATED_HUB_T4["spec"], "podTemplatePatch": patch}})
+    assert any("changes the volume hub-cache" in p for p in pod_template_problems(fm))
+
+
+def test_tracing_endpoint_reaches_the_engine_config_and_command_line() -> None:
+    config = engine_config(FlashModel.from_body(GATED_HUB_T4))
+    assert config["observability"] == {"otlpTracesEndpoint": "http://otel-collector.monitoring:4317",
+                                       "otlpTracesProtocol": "grpc"}
+    args = engine_args(config)
+    assert args[args.index("--otlp-traces-endpoint") + 1] == "http://otel-collector.monitoring:4317"
+    assert "observability" not in engine_config(FlashModel.from_body(MINIMAL_T4))
