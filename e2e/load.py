@@ -27,6 +27,9 @@ class Load:
     workers: int = 2
     pause: float = 0.1
     """Seconds each worker waits after a request: a steady trickle, not a flood."""
+    period: float | None = None
+    """When set, each worker starts a request every `period` seconds whatever its latency: a fixed rate
+    of workers / period requests per second while the engines keep up (pause is then unused)."""
     accepted: int = 0
     completed: int = 0
     lost: list[str] = field(default_factory=list)
@@ -93,6 +96,7 @@ class Load:
                 continue
             ip = targets[(worker + n) % len(targets)]
             n += 1
+            started = time.monotonic()
             conn = http.client.HTTPConnection(ip, 8000, timeout=60)
             try:
                 conn.connect()
@@ -116,7 +120,10 @@ class Load:
                 self.lost.append(f"{ip}: {type(exc).__name__}: {exc}")
             finally:
                 conn.close()
-            time.sleep(self.pause)
+            if self.period is None:
+                time.sleep(self.pause)
+            else:
+                self.stop.wait(max(0.0, self.period - (time.monotonic() - started)))
 
     def __enter__(self) -> Load:
         self.threads = [threading.Thread(target=self.refresh, daemon=True)]

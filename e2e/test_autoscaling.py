@@ -166,8 +166,8 @@ def test_load_at_three_times_the_target_scales_to_two_within_three_minutes(
 ) -> None:
     ns, kubelet, prom, _ = scaling
     wait_for("model Ready with 1 pod", lambda: _ready_with(control_plane, ns, 1), timeout=ENGINE_START_TIMEOUT)
-    # Three workers, each a request about every 3 s on these two shared cores: about 3x the target.
-    with Load(control_plane, ns, MODEL, workers=3, pause=0.5) as load:
+    # Three workers, each starting a request every 3.3 s: 0.9 req/s, 3x the per-replica target.
+    with Load(control_plane, ns, MODEL, workers=3, period=3.3) as load:
         t0 = time.monotonic()
         wait_for("spec.replicas 2", lambda: _fm(control_plane, ns)["spec"]["replicas"] == 2, timeout=180, interval=1)
         scaled_after = time.monotonic() - t0
@@ -207,8 +207,9 @@ def test_when_the_load_falls_it_scales_back_and_the_removed_pod_loses_no_request
 ) -> None:
     ns, kubelet, _, _ = scaling
     wait_for("model Ready with 2 pods", lambda: _ready_with(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT)
-    # A trickle below one replica's target keeps requests flowing to both pods through the scale-down.
-    with Load(control_plane, ns, MODEL, workers=2, pause=8.0) as load:
+    # A trickle of 0.2 req/s, below one replica's target, keeps requests flowing to both pods
+    # through the scale-down.
+    with Load(control_plane, ns, MODEL, workers=2, period=10.0) as load:
         t0 = time.monotonic()
         wait_for("spec.replicas 1", lambda: _fm(control_plane, ns)["spec"]["replicas"] == 1,
                  timeout=SCALE_DOWN_STABILIZATION + 120, interval=1)
