@@ -27,6 +27,8 @@ class Load:
     workers: int = 2
     pause: float = 0.1
     """Seconds each worker waits after a request: a steady trickle, not a flood."""
+    api_key: str = ""
+    """Sent as a Bearer token where the FlashModel has spec.auth; empty sends none."""
     accepted: int = 0
     completed: int = 0
     lost: list[str] = field(default_factory=list)
@@ -104,7 +106,10 @@ class Load:
                 {"model": "tiny", "prompt": "the valve on line three was inspected", "max_tokens": 8, "temperature": 0}
             )
             try:
-                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+                headers = {"Content-Type": "application/json"}
+                if self.api_key:
+                    headers["Authorization"] = f"Bearer {self.api_key}"
+                conn.request("POST", "/v1/completions", body=body, headers=headers)
                 self.accepted += 1
                 resp = conn.getresponse()
                 data = resp.read()
