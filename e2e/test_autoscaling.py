@@ -20,10 +20,10 @@ import yaml
 
 from e2e.autoscaling import Keda, Prometheus
 from e2e.cluster import KWOK_TOLERATION, ControlPlane
-from e2e.kubelet import EngineKubelet
+from e2e.kubelet import ENGINE_ENV, EngineKubelet
 from e2e.load import Load
 from e2e.operator_run import get_json, wait_for
-from e2e.test_self_healing import ENGINE_ENV, _engine_python
+from e2e.test_self_healing import _engine_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
