@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -115,7 +116,7 @@ def pod_facts(pod: dict[str, Any]) -> dict[str, str]:
     if gate:
         gate_text = gate.get("status", "?")
         if gate.get("reason"):
-            gate_text += f" ({gate['reason']}: {str(gate.get('message', ''))[:140]})"
+            gate_text += f" ({gate['reason']}: {str(gate.get('message', ''))[:220]})"
     facts = {
         "phase": f"{status.get('phase', 'Pending')} ip={status.get('podIP', '-')}",
         "engine": "started" if containers[0].get("started") else "loading",
@@ -135,6 +136,8 @@ class Timeline:
     cp: ControlPlane
     namespace: str
     model: str
+    kubelet: EngineKubelet | None = None
+    """Where the engines' logs are, for the heartbeat's "how far"."""
     t0: float = field(default_factory=time.monotonic)
     pods: dict[str, dict[str, str]] = field(default_factory=dict)
     events: set[str] = field(default_factory=set)
@@ -175,8 +178,28 @@ class Timeline:
         return items
 
     def heartbeat(self, waiting_for: str, every: float = 20) -> None:
-        if time.monotonic() - self.last_said >= every:
-            self.line(f"... still waiting for {waiting_for}")
+        if time.monotonic() - self.last_said < every:
+            return
+        self.line(f"... still waiting for {waiting_for}")
+        for name, pod in sorted((self.kubelet.pods if self.kubelet else {}).items()):
+            if not pod.ready:
+                self.line(f"    {name} engine log: {engine_log_tail(pod.workdir / 'engine.log')}")
+
+
+LOG_PREFIX = re.compile(r"^(\([A-Za-z]+ pid=\d+\) )?(INFO|WARNING|DEBUG)? ?(\d\d-\d\d \d\d:\d\d:\d\d )?(\[[^]]+\] )?")
+
+
+def engine_log_tail(path: Path) -> str:
+    """The engine's last log line, less vLLM's prefix: where its start-up has got to."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log yet)"
+    # vLLM's INFO lines and the engine's own event= lines say the stage; a dump's inner lines do not.
+    stages = [line for line in lines if " INFO " in line or "event=" in line] or lines
+    return LOG_PREFIX.sub("", stages[-1])[:140] if stages else "(no log yet)"
 
 
 def wait_and_watch(timeline: Timeline, what: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float,
@@ -291,7 +314,8 @@ def build_tiny_model(python: str) -> Path:
 
 def chat(endpoint: str, key: str, content: str, max_tokens: int = 16) -> tuple[int, dict[str, Any]]:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}],
-                       "max_tokens": max_tokens, "temperature": 0}).encode()
+                       # Sampled, not greedy: greedy on random weights repeats one token.
+                       "max_tokens": max_tokens, "temperature": 1.0, "seed": 7}).encode()
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -323,7 +347,7 @@ def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: 
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     say("Each pod's engine loads (about a minute or two here); it joins the Service only once the operator's "
         f"prewarm succeeded and set its readiness gate {PREWARM_GATE}:")
-    timeline = Timeline(cp, namespace, MODEL)
+    timeline = Timeline(cp, namespace, MODEL, kubelet)
     wait_and_watch(
         timeline,
         "both pods prewarmed and the model Ready",
@@ -354,9 +378,11 @@ def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: 
     code, answer = chat(endpoint, key, "Say hello.")
     if code != 200:
         raise DemoError(f"the chat completion answered HTTP {code}: {answer}; see {kubelet.workdir}/*/engine.log")
-    say(f"HTTP {code} in {1000 * (time.monotonic() - t0):.0f} ms: "
-        f"{json.dumps({'model': answer['model'], 'choices': answer['choices'], 'usage': answer['usage']})}")
-    say(f"  content: {answer['choices'][0]['message']['content']!r}")
+    choice, usage = answer["choices"][0], answer["usage"]
+    brief = {"id": answer.get("id"), "model": answer["model"], "message": choice["message"]["content"],
+             "finish_reason": choice["finish_reason"],
+             "usage": {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
+    say(f"HTTP {code} in {1000 * (time.monotonic() - t0):.0f} ms: {json.dumps(brief)}")
     code, _ = chat(endpoint, "", "Say hello.", max_tokens=1)
     say(f"The same request without the key: HTTP {code}")
 
@@ -384,7 +410,7 @@ def act_remediation(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, ke
         pod = kubelet.pods[target]
         say(f"Pod {target}'s engine now allocates {DIVERGENCE_MIB} MiB that vLLM does not account for "
             f"(written to {pod.hog_file}):")
-        timeline = Timeline(cp, namespace, MODEL)
+        timeline = Timeline(cp, namespace, MODEL, kubelet)
         timeline.pods = {p["metadata"]["name"]: pod_facts(p) for p in get_json(
             cp, "pods", "-n", namespace, "-l", f"serving.flashmodel.io/model={MODEL}")["items"]}
         timeline.events = {e["metadata"]["uid"] for e in get_json(
