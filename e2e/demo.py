@@ -100,6 +100,55 @@ def show(cp: ControlPlane, *args: str) -> str:
 # -- watching the model --------------------------------------------------------------------------
 
 
+class Reads:
+    """The watch loop's reads through one kept-open API client: a kubectl process per look every 2 s
+    would take CPU from the engines loading on the same two cores."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        from kubernetes import client  # imported here: --help needs no client
+
+        self.api = cp.api_client()
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.discovery = client.DiscoveryV1Api(self.api)
+
+    def close(self) -> None:
+        self.api.close()  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def _json(raw: Any) -> Any:
+        return json.loads(raw.data)
+
+    def pods(self, namespace: str, model: str) -> list[dict[str, Any]]:
+        raw = self.core.list_namespaced_pod(namespace, label_selector=f"serving.flashmodel.io/model={model}",
+                                            _preload_content=False)
+        items: list[dict[str, Any]] = self._json(raw)["items"]
+        return items
+
+    def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        raw = self.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}",
+                                              _preload_content=False)
+        items: list[dict[str, Any]] = self._json(raw)["items"]
+        return items
+
+    def flashmodel(self, namespace: str, name: str) -> dict[str, Any]:
+        raw = self.custom.get_namespaced_custom_object("serving.flashmodel.io", "v1alpha1", namespace,
+                                                       "flashmodels", name, _preload_content=False)
+        fm: dict[str, Any] = self._json(raw)
+        return fm
+
+    def model_ready(self, namespace: str, name: str) -> bool:
+        return bool(_condition(self.flashmodel(namespace, name), "Ready").get("status") == "True")
+
+    def ready_endpoints(self, namespace: str, service: str) -> list[str]:
+        raw = self.discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector=f"kubernetes.io/service-name={service}", _preload_content=False)
+        return sorted(
+            a for s in self._json(raw)["items"] for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready") for a in e["addresses"]
+        )
+
+
 def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
     found: dict[str, Any] = next(
         (c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {}
@@ -133,7 +182,7 @@ def pod_facts(pod: dict[str, Any]) -> dict[str, str]:
 class Timeline:
     """Prints each change to the model's pods and each new event of the model, stamped from t0."""
 
-    cp: ControlPlane
+    reads: Reads
     namespace: str
     model: str
     kubelet: EngineKubelet | None = None
@@ -149,9 +198,7 @@ class Timeline:
 
     def look(self) -> list[dict[str, Any]]:
         """One look: prints what changed; returns the model's pods (terminating ones included)."""
-        items: list[dict[str, Any]] = get_json(
-            self.cp, "pods", "-n", self.namespace, "-l", f"serving.flashmodel.io/model={self.model}"
-        )["items"]
+        items = self.reads.pods(self.namespace, self.model)
         present = set()
         for pod in items:
             name = pod["metadata"]["name"]
@@ -168,9 +215,8 @@ class Timeline:
         for name in sorted(set(self.pods) - present):
             self.line(f"pod {name}: gone (deleted)")
             del self.pods[name]
-        raw = get_json(self.cp, "events", "-n", self.namespace, "--field-selector",
-                       f"involvedObject.name={self.model}")["items"]
-        for event in sorted(raw, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or ""):
+        events = self.reads.events(self.namespace, self.model)
+        for event in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or ""):
             uid = event["metadata"]["uid"]
             if uid not in self.events:
                 self.events.add(uid)
@@ -198,8 +244,10 @@ def engine_log_tail(path: Path) -> str:
     except OSError:
         return "(no log yet)"
     # vLLM's INFO lines and the engine's own event= lines say the stage; a dump's inner lines do not.
-    stages = [line for line in lines if " INFO " in line or "event=" in line] or lines
-    return LOG_PREFIX.sub("", stages[-1])[:140] if stages else "(no log yet)"
+    stages = [LOG_PREFIX.sub("", line) for line in lines if " INFO " in line or "event=" in line]
+    # An indented message continues a dump (vLLM's thread-binding table); the line above it says the stage.
+    stages = [line for line in stages if not line[:1].isspace()] or lines
+    return stages[-1][:140] if stages else "(no log yet)"
 
 
 def wait_and_watch(timeline: Timeline, what: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float,
@@ -222,19 +270,6 @@ def _serving(pods: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
     if len(live) != replicas or not all(_condition(p, PREWARM_GATE).get("status") == "True" for p in live):
         return []
     return live
-
-
-def model_ready(cp: ControlPlane, namespace: str, name: str) -> bool:
-    fm = get_json(cp, "flashmodel", name, "-n", namespace)
-    return bool(_condition(fm, "Ready").get("status") == "True")
-
-
-def ready_endpoints(cp: ControlPlane, namespace: str, service: str) -> list[str]:
-    slices = get_json(cp, "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}")["items"]
-    return sorted(
-        a for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")
-        for a in e["addresses"]
-    )
 
 
 # -- the acts ------------------------------------------------------------------------------------
@@ -328,7 +363,7 @@ def chat(endpoint: str, key: str, content: str, max_tokens: int = 16) -> tuple[i
         return int(err.code), {"error": err.read(300).decode(errors="replace")}
 
 
-def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: Path, key: str) -> None:
+def act_serving(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineKubelet, tiny: Path, key: str) -> None:
     say()
     say(f"==> Act 1: FlashModel {namespace}/{MODEL}, 2 replicas of a tiny random-weight Qwen2 on vLLM for the CPU")
     doc = cpu_model(
@@ -347,11 +382,11 @@ def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: 
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     say("Each pod's engine loads (about a minute or two here); it joins the Service only once the operator's "
         f"prewarm succeeded and set its readiness gate {PREWARM_GATE}:")
-    timeline = Timeline(cp, namespace, MODEL, kubelet)
+    timeline = Timeline(reads, namespace, MODEL, kubelet)
     wait_and_watch(
         timeline,
         "both pods prewarmed and the model Ready",
-        lambda pods: bool(_serving(pods, 2)) and model_ready(cp, namespace, MODEL),
+        lambda pods: bool(_serving(pods, 2)) and reads.model_ready(namespace, MODEL),
         ENGINE_START_TIMEOUT,
         f"Engine logs: {kubelet.workdir}/<pod>/engine.log; the operator's log is printed above.",
     )
@@ -360,7 +395,7 @@ def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: 
     say()
     show(cp, "get", "fm", "-n", namespace)
     say()
-    fm = get_json(cp, "flashmodel", MODEL, "-n", namespace)
+    fm = reads.flashmodel(namespace, MODEL)
     say("Prewarm time to first token per pod (status.pods[]: coldTTFTMs is the first warm-up request, "
         "warmTTFTMs the last):")
     say(f"  {'POD':<34}{'PREWARMED':<11}{'COLD TTFT':>12}{'WARM TTFT':>12}")
@@ -368,7 +403,7 @@ def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: 
         say(f"  {entry['name']:<34}{entry.get('prewarmed')!s:<11}"
             f"{entry.get('coldTTFTMs', 0):>9.1f} ms{entry.get('warmTTFTMs', 0):>9.1f} ms")
     say()
-    endpoint = f"http://{ready_endpoints(cp, namespace, MODEL)[0]}:8000"
+    endpoint = f"http://{reads.ready_endpoints(namespace, MODEL)[0]}:8000"
     say(f"A chat completion from a ready endpoint of Service {namespace}/{MODEL} (the key is in Secret "
         f"{API_KEY_SECRET}; random weights, so the words are noise):")
     say(f"$ curl {endpoint}/v1/chat/completions -H 'Authorization: Bearer $KEY' "
@@ -382,7 +417,7 @@ def act_serving(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, tiny: 
     brief = {"id": answer.get("id"), "model": answer["model"], "message": choice["message"]["content"],
              "finish_reason": choice["finish_reason"],
              "usage": {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
-    say(f"HTTP {code} in {1000 * (time.monotonic() - t0):.0f} ms: {json.dumps(brief)}")
+    say(f"HTTP {code} in {1000 * (time.monotonic() - t0):.0f} ms: {json.dumps(brief, ensure_ascii=False)}")
     code, _ = chat(endpoint, "", "Say hello.", max_tokens=1)
     say(f"The same request without the key: HTTP {code}")
 
@@ -394,12 +429,14 @@ def _divergence_signal(shim: str) -> bool:
         return False
 
 
-def act_remediation(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, key: str) -> bool:
+def act_remediation(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineKubelet, key: str) -> bool:
     """Returns whether no accepted request was lost."""
     say()
     say("==> Act 2: one pod's memory diverges; the operator drains it, evicts it and prewarms a replacement, "
         "while a client keeps sending requests through the Service's ready endpoints")
-    with Load(cp, namespace, MODEL, api_key=key) as load:
+    # One client at a steady few requests a second: a flood would starve the replacement's engine
+    # of the two cores it loads on, and the point is that every request is answered.
+    with Load(cp, namespace, MODEL, workers=1, pause=0.2, api_key=key) as load:
         deadline = time.monotonic() + 60
         while load.completed < 5:
             if time.monotonic() > deadline:
@@ -410,11 +447,10 @@ def act_remediation(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, ke
         pod = kubelet.pods[target]
         say(f"Pod {target}'s engine now allocates {DIVERGENCE_MIB} MiB that vLLM does not account for "
             f"(written to {pod.hog_file}):")
-        timeline = Timeline(cp, namespace, MODEL, kubelet)
-        timeline.pods = {p["metadata"]["name"]: pod_facts(p) for p in get_json(
-            cp, "pods", "-n", namespace, "-l", f"serving.flashmodel.io/model={MODEL}")["items"]}
-        timeline.events = {e["metadata"]["uid"] for e in get_json(
-            cp, "events", "-n", namespace, "--field-selector", f"involvedObject.name={MODEL}")["items"]}
+        timeline = Timeline(reads, namespace, MODEL, kubelet)
+        # What act 1 already showed is not news.
+        timeline.pods = {p["metadata"]["name"]: pod_facts(p) for p in reads.pods(namespace, MODEL)}
+        timeline.events = {e["metadata"]["uid"] for e in reads.events(namespace, MODEL)}
         pod.hog_file.write_text(DIVERGENCE_MIB)
         signalled = False
 
@@ -426,7 +462,7 @@ def act_remediation(cp: ControlPlane, namespace: str, kubelet: EngineKubelet, ke
                               "(flashmodel_remediation_recommended{reason=\"memory_divergence\"} 1)")
             serving = _serving(pods, 2)
             return (bool(serving) and target not in {p["metadata"]["name"] for p in pods}
-                    and model_ready(cp, namespace, MODEL))
+                    and reads.model_ready(namespace, MODEL))
 
         wait_and_watch(timeline, "the diverging pod replaced and the model Ready 2/2 again", replaced,
                        REPLACEMENT_TIMEOUT, "Read the operator log (path above) for event=remediation-held lines.")
@@ -513,8 +549,10 @@ def run(objects_only: bool, keep: bool, engine_python: str) -> int:
                            f"--from-literal=api-key={key}")
                 kubelet = stack.enter_context(
                     EngineKubelet(cp, namespace, work / "kubelet", python=engine_python, env=ENGINE_ENV))
-                act_serving(cp, namespace, kubelet, tiny, key)
-                if not act_remediation(cp, namespace, kubelet, key):
+                reads = Reads(cp)
+                stack.callback(reads.close)
+                act_serving(cp, reads, namespace, kubelet, tiny, key)
+                if not act_remediation(cp, reads, namespace, kubelet, key):
                     raise DemoError("requests failed during the remediation (listed above); "
                                     f"engine logs: {work}/kubelet/<pod>/engine.log, operator log: {log}")
             say()
