@@ -5,7 +5,7 @@
 # completion behind the prewarm gate, and one of them replaced for memory divergence while a
 # client keeps sending requests. The driver is e2e/demo.py.
 #
-#   bash scripts/demo.sh                  # everything, then stops (about 4-6 minutes warm)
+#   bash scripts/demo.sh                  # everything, then stops (about 4 minutes warm on two cores)
 #   bash scripts/demo.sh --objects-only   # only the examples' objects, no vLLM (about 20 s)
 #   bash scripts/demo.sh --keep           # stays up at the end until Ctrl-C; prints the KUBECONFIG
 #
