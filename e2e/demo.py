@@ -561,7 +561,8 @@ def run(objects_only: bool, keep: bool, engine_python: str) -> int:
             if keep:
                 wait_for_ctrl_c(cp, namespace)
             say("demo: stopping")
-    except (DemoError, ControlPlaneError) as exc:
+    except (DemoError, ControlPlaneError, subprocess.CalledProcessError) as exc:
+        # A kubectl that failed says so in its stderr, which CommandError's message carries.
         say(f"demo: FAILED: {exc}")
         say(f"demo: logs kept in {work}")
         return 1
