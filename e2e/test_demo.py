@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.demo import MODEL
+from e2e.demo import MODEL, engine_log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,3 +77,16 @@ def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_req
     counts = re.search(r"accepted=(\d+) completed=(\d+) failed=(\d+)", out)
     assert counts, out[-6000:]
     assert int(counts[3]) == 0 and int(counts[2]) > 10, counts[0]
+
+
+def test_the_heartbeat_names_the_engines_stage_not_a_line_inside_a_dump(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    assert engine_log_tail(log) == "(no log yet)"
+    log.write_text(
+        "ts=2026-12-04 20:05:52,245 level=INFO component=flashmodel.launcher event=engine-spawned pid=1\n"
+        "(APIServer pid=16496) INFO 12-04 20:02:35 [compilation.py:317] Enabled custom fusions: norm_quant\n"
+        "(EngineCore pid=17764) INFO 12-04 20:03:11 [ompmultiprocessing.py:185] OpenMP thread binding info: \n"
+        "(EngineCore pid=17764) INFO 12-04 20:03:11 [ompmultiprocessing.py:185] \treserved_cpus=[]\n"
+        "Triton is installed, but doesn't include CPU backend. Disabling Triton.\n"
+    )
+    assert engine_log_tail(log) == "OpenMP thread binding info: "
