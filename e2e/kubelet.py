@@ -73,7 +73,7 @@ def cpu_model(
         **blocks,
         "tolerations": [KWOK_TOLERATION],
         "podTemplatePatch": {
-            "metadata": {"annotations": CUSTOM_STATUS},
+            "metadata": {"annotations": dict(CUSTOM_STATUS)},
             "spec": {"terminationGracePeriodSeconds": grace_seconds},
         },
     }
