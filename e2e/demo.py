@@ -512,7 +512,11 @@ def wait_for_ctrl_c(cp: ControlPlane, namespace: str) -> None:
 def run(objects_only: bool, keep: bool, engine_python: str) -> int:
     t_start = time.monotonic()
     if not objects_only:
-        check_engine_python(engine_python)
+        try:
+            check_engine_python(engine_python)
+        except DemoError as exc:
+            say(f"demo: cannot run the serving acts: {exc}")
+            return 1
     work = Path(tempfile.mkdtemp(prefix="flashmodel-demo."))
     ok = False
     try:
