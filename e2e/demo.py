@@ -325,9 +325,6 @@ def act_objects(cp: ControlPlane) -> list[str]:
 
 def check_engine_python(python: str) -> None:
     """DemoError saying what to run where the engine venv or vLLM is missing, or pod networks cannot be made."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        raise DemoError("the serving acts give every engine pod a network namespace of its own (`ip netns`), "
-                        "which needs root and iproute2; run the demo as root, or pass --objects-only")
     if not Path(python).exists():
         raise DemoError(f"no engine Python at {python}: run `bash scripts/setup-engine.sh` "
                         "(installs torch and vLLM for the CPU, ~5 GB), or pass --objects-only")
@@ -335,6 +332,9 @@ def check_engine_python(python: str) -> None:
                             "sys.exit(0 if u.find_spec('vllm') and u.find_spec('aiohttp') else 1)"], check=False)
     if probe.returncode != 0:
         raise DemoError(f"{python} has no vLLM (or no aiohttp): run `bash scripts/setup-engine.sh`")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        raise DemoError("the serving acts give every engine pod a network namespace of its own (`ip netns`), "
+                        "which needs root and iproute2; run the demo as root, or pass --objects-only")
 
 
 def build_tiny_model(python: str) -> Path:

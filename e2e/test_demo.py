@@ -93,7 +93,7 @@ def test_the_heartbeat_names_the_engines_stage_not_a_line_inside_a_dump(tmp_path
 
 
 def test_without_an_engine_venv_the_demo_says_to_run_setup_engine_before_starting_anything(tmp_path: Path) -> None:
-    rc, out, seconds = _demo("--engine-python", str(tmp_path / "venv-engine" / "bin" / "python"), timeout=60)
+    rc, out, _ = _demo("--engine-python", str(tmp_path / "venv-engine" / "bin" / "python"), timeout=60)
     assert rc == 1
     assert "run `bash scripts/setup-engine.sh`" in out and "--objects-only" in out, out
     assert "control plane" not in out, "nothing may start before the check"
