@@ -6,7 +6,7 @@
 # client keeps sending requests. The driver is e2e/demo.py.
 #
 #   bash scripts/demo.sh                  # everything, then stops (about 4 minutes warm on two cores)
-#   bash scripts/demo.sh --objects-only   # only the examples' objects, no vLLM (about 20 s)
+#   bash scripts/demo.sh --objects-only   # only the examples' objects, no vLLM (about 25 s warm)
 #   bash scripts/demo.sh --keep           # stays up at the end until Ctrl-C; prints the KUBECONFIG
 #
 # The serving acts need root (each engine pod gets a network namespace, `ip netns`) and the
