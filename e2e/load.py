@@ -30,6 +30,8 @@ class Load:
     period: float | None = None
     """When set, each worker starts a request every `period` seconds whatever its latency: a fixed rate
     of workers / period requests per second while the engines keep up (pause is then unused)."""
+    api_key: str = ""
+    """Sent as a Bearer token where the FlashModel has spec.auth; empty sends none."""
     accepted: int = 0
     completed: int = 0
     lost: list[str] = field(default_factory=list)
@@ -108,7 +110,10 @@ class Load:
                 {"model": "tiny", "prompt": "the valve on line three was inspected", "max_tokens": 8, "temperature": 0}
             )
             try:
-                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+                headers = {"Content-Type": "application/json"}
+                if self.api_key:
+                    headers["Authorization"] = f"Bearer {self.api_key}"
+                conn.request("POST", "/v1/completions", body=body, headers=headers)
                 self.accepted += 1
                 resp = conn.getresponse()
                 data = resp.read()

@@ -19,11 +19,11 @@ import pytest
 import yaml
 
 from e2e.autoscaling import Keda, Prometheus
-from e2e.cluster import KWOK_TOLERATION, ControlPlane
-from e2e.kubelet import EngineKubelet
+from e2e.cluster import ControlPlane
+from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.load import Load
 from e2e.operator_run import get_json, wait_for
-from e2e.test_self_healing import ENGINE_ENV, _engine_python
+from e2e.test_self_healing import _engine_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -61,41 +61,25 @@ def parts(
 
 
 def _model(ns: str, tiny_model: Path) -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.flashmodel.io/v1alpha1",
-        "kind": "FlashModel",
-        "metadata": {"name": MODEL, "namespace": ns},
-        "spec": {
-            "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
-            "accelerator": "cpu",
-            "replicas": 1,
-            "engine": {
-                "blockSize": 32,
-                "dtype": "float32",
-                "maxModelLen": 512,
-                "maxNumBatchedTokens": 512,
-                "maxNumSeqs": 8,
-                "attentionBackend": "auto",
-            },
-            "prewarm": {"requests": 2, "maxTokens": 8, "timeoutSeconds": 120},
-            "health": {"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
-            "autoscaling": {
-                "minReplicas": 1,
-                "maxReplicas": 2,
-                "targetRequestsPerSecond": TARGET_RPS,
-                "targetQueueDepth": 4,
-                "targetTTFTMilliseconds": 5000,
-                "windowSeconds": WINDOW_SECONDS,
-                "scaleUpStabilizationSeconds": 0,
-                "scaleDownStabilizationSeconds": SCALE_DOWN_STABILIZATION,
-            },
-            "tolerations": [KWOK_TOLERATION],
-            "podTemplatePatch": {
-                "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
-                "spec": {"terminationGracePeriodSeconds": 30},
-            },
+    return cpu_model(
+        ns,
+        MODEL,
+        tiny_model,
+        replicas=1,
+        grace_seconds=30,
+        prewarm={"requests": 2, "maxTokens": 8, "timeoutSeconds": 120},
+        health={"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
+        autoscaling={
+            "minReplicas": 1,
+            "maxReplicas": 2,
+            "targetRequestsPerSecond": TARGET_RPS,
+            "targetQueueDepth": 4,
+            "targetTTFTMilliseconds": 5000,
+            "windowSeconds": WINDOW_SECONDS,
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": SCALE_DOWN_STABILIZATION,
         },
-    }
+    )
 
 
 @pytest.fixture(scope="module")

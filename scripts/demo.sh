@@ -1,89 +1,64 @@
 #!/usr/bin/env bash
-# The main job on a local default: a real control plane (etcd, kube-apiserver, controller-manager,
-# scheduler, kwok fake T4 nodes), the CRD, the operator, the examples/ FlashModels, `kubectl get fm`.
+# The main job, locally: a real control plane (etcd, kube-apiserver, controller-manager, scheduler,
+# kwok fake T4 nodes), the CRD, the operator and the examples/ FlashModels; then a FlashModel whose
+# two pods run real vLLM engines (a tiny random-weight model, on the CPU) answering a chat
+# completion behind the prewarm gate, and one of them replaced for memory divergence while a
+# client keeps sending requests. The driver is e2e/demo.py.
 #
-#   bash scripts/demo.sh           # shows the result, then stops everything
-#   bash scripts/demo.sh --keep    # stays up until Ctrl-C; prints the KUBECONFIG to use
+#   bash scripts/demo.sh                  # everything, then stops (about 4 minutes warm on two cores)
+#   bash scripts/demo.sh --objects-only   # only the examples' objects, no vLLM (about 25 s warm)
+#   bash scripts/demo.sh --keep           # stays up at the end until Ctrl-C; prints the KUBECONFIG
 #
-# Pods run on kwok nodes, which start no containers: the demo shows the operator's work
-# (children, scheduling onto T4 nodes, status), not a serving engine. The tests put a real
-# vLLM behind those pods (e2e/).
+# The serving acts need root (each engine pod gets a network namespace, `ip netns`) and the
+# engine venv, which this script installs the first time (scripts/setup-engine.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 CACHE="${FLASHMODEL_CACHE:-$HOME/.cache/flashmodel}"
 export FLASHMODEL_CACHE="$CACHE"
 VENV="$CACHE/venv-operator"
-KEEP=${1:-}
+ENGINE_VENV="${FLASHMODEL_ENGINE_VENV:-$CACHE/venv-engine}"
+export FLASHMODEL_ENGINE_VENV="$ENGINE_VENV"
 log() { echo "demo: $*" >&2; }
 
-# The operator needs none of torch/vLLM: a small venv of its own.
-if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV"; fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT"
-BIN=$(bash scripts/testbin.sh | tail -n 1)
-export PATH="$BIN:$PATH"
-
-WORK=$(mktemp -d /tmp/flashmodel-demo.XXXXXX)
-cleanup() {
-  log "event=stopping"
-  [[ -n ${OP_PID:-} ]] && kill "$OP_PID" 2>/dev/null && wait "$OP_PID" 2>/dev/null
-  "$VENV/bin/python" -m e2e.cluster down --dir "$WORK/cluster" || true
-}
-trap cleanup EXIT
-
-log "event=control-plane-starting dir=$WORK/cluster"
-"$VENV/bin/python" -m e2e.cluster up --dir "$WORK/cluster" --nodes 3 --no-kwok-taint >"$WORK/cluster.out" 2>"$WORK/cluster.log" &
-for _ in $(seq 1 180); do
-  grep -q '^KUBECONFIG=' "$WORK/cluster.out" 2>/dev/null && break
-  sleep 1
+OBJECTS_ONLY=
+for arg in "$@"; do
+  case $arg in
+    --objects-only) OBJECTS_ONLY=1 ;;
+    --keep) ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) log "unknown argument '$arg'; use --objects-only, --keep or --help"; exit 2 ;;
+  esac
 done
-grep -q '^KUBECONFIG=' "$WORK/cluster.out" || { tail -30 "$WORK/cluster.log" >&2; exit 1; }
-export KUBECONFIG="$WORK/cluster/kubeconfig"
-log "event=control-plane-ready kubeconfig=$KUBECONFIG"
 
-kubectl apply --server-side -f crds/flashmodel.yaml >/dev/null
-kubectl wait --for=condition=Established crd/flashmodels.serving.flashmodel.io --timeout=60s >/dev/null
-FLASHMODEL_RESYNC_SECONDS=10 "$VENV/bin/python" -m flashmodel_operator --all-namespaces --standalone \
-  >"$WORK/operator.log" 2>&1 &
-OP_PID=$!
-log "event=operator-started pid=$OP_PID log=$WORK/operator.log"
-
-# What the examples refer to: their API-key Secrets and model volumes (static PVs here; a real
-# cluster has a storage class and a secret store).
-for secret in $(grep -h -A1 'apiKeySecretRef:' examples/*.yaml | awk '/name:/ {print $2}' | sort -u); do
-  kubectl create secret generic "$secret" --from-literal=api-key="demo-$RANDOM" >/dev/null 2>&1 || true
-done
-for claim in $(grep -h 'claimName:' examples/*.yaml | awk '{print $2}' | sort -u); do
-  kubectl apply -f - >/dev/null <<YAML
-apiVersion: v1
-kind: PersistentVolume
-metadata: {name: demo-$claim}
-spec:
-  capacity: {storage: 20Gi}
-  accessModes: [ReadOnlyMany]
-  storageClassName: ""
-  hostPath: {path: /models/$claim}
-  claimRef: {namespace: default, name: $claim}
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {name: $claim, namespace: default}
-spec:
-  accessModes: [ReadOnlyMany]
-  storageClassName: ""
-  volumeName: demo-$claim
-  resources: {requests: {storage: 20Gi}}
-YAML
-done
-kubectl apply -f examples/
-sleep 8
-kubectl get fm -o wide
-echo
-kubectl get deployments,services,configmaps,poddisruptionbudgets,hpa,pods -l app.kubernetes.io/managed-by=flashmodel-operator -o wide
-echo
-kubectl get fm -o jsonpath='{range .items[*]}{.metadata.name}{": "}{.status.engineArgs}{"\n"}{end}'
-
-if [[ $KEEP == --keep ]]; then
-  log "event=up kubeconfig=$KUBECONFIG hint='export KUBECONFIG=$KUBECONFIG; kubectl get fm'; Ctrl-C stops"
-  wait "$OP_PID"
+# The operator and the driver need none of torch/vLLM: a small venv of their own, with the
+# project's dependencies only. The code itself comes from this checkout (PYTHONPATH), so two
+# checkouts sharing the cache never run each other's operator.
+t=$(date +%s)
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "event=install what=operator-venv path=$VENV"
+  python3 -m venv "$VENV"
 fi
+mapfile -t DEPS < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "${DEPS[@]}" \
+  || { log "event=failed what=operator-venv hint='pip could not install ${DEPS[*]}; check the network, or delete $VENV and retry'"; exit 1; }
+log "event=ready what=operator-venv seconds=$(( $(date +%s) - t ))"
+
+t=$(date +%s)
+log "event=check what=control-plane-binaries note='the first run builds them from Go modules: see docs/control-plane.md for the time'"
+BIN=$(bash scripts/testbin.sh | tail -n 1)
+export FLASHMODEL_TESTBIN="$BIN" PATH="$BIN:$PATH"
+log "event=ready what=control-plane-binaries seconds=$(( $(date +%s) - t )) dir=$BIN"
+
+if [[ -z $OBJECTS_ONLY ]]; then
+  if ! "$ENGINE_VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("vllm") else 1)' 2>/dev/null; then
+    t=$(date +%s)
+    log "event=install what=engine-venv path=$ENGINE_VENV note='torch and vLLM for the CPU, about 5 GB: many minutes on the first run; --objects-only needs none of it'"
+    bash scripts/setup-engine.sh >&2 \
+      || { log "event=failed what=engine-venv hint='rerun bash scripts/setup-engine.sh and read its error, or use --objects-only'"; exit 1; }
+    log "event=ready what=engine-venv seconds=$(( $(date +%s) - t ))"
+  fi
+fi
+
+export PYTHONPATH="$ROOT/operator:$ROOT/engine:$ROOT/kernels:$ROOT"
+exec "$VENV/bin/python" -m e2e.demo --engine-python "$ENGINE_VENV/bin/python" "$@"
