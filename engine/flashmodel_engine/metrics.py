@@ -239,7 +239,10 @@ class EngineMetrics:
         self._success_seen: float | None = None
         self._client_high = 0.0
 
-    def observe_engine(self, now: float, sample: EngineSample, own_requests: float) -> None:
+    def observe_engine(
+        self, now: float, sample: EngineSample, own_requests: float, own_in_flight: bool = False
+    ) -> None:
+        """`own_in_flight`: a prewarm is running, whose requests the shim counts as its own only once it ends."""
         if sample.kv_cache_usage is not None:
             self.kv_cache_usage.set(sample.kv_cache_usage)
         self.requests_waiting.set(sample.waiting)
@@ -248,7 +251,7 @@ class EngineMetrics:
         if self._success_seen is None or sample.request_success_total < self._success_seen:
             # The first sample, or a restarted vLLM counting from zero: the counter goes on from here.
             self._client_high = client
-        elif client > self._client_high:
+        elif client > self._client_high and not own_in_flight:
             # A probe counts in own_requests when it starts and in vLLM's total when it ends, so the
             # client count dips while one runs; only a new high is client traffic.
             self.requests_finished.inc(client - self._client_high)

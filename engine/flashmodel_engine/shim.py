@@ -302,7 +302,8 @@ class EngineShim:
             try:
                 sample = await self._engine_sample(2)
                 m.engine_up.set(1)
-                m.observe_engine(time.monotonic(), sample, self._own_requests)
+                prewarming = self._prewarm_task is not None and not self._prewarm_task.done()
+                m.observe_engine(time.monotonic(), sample, self._own_requests, own_in_flight=prewarming)
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 m.engine_up.set(0)
         memory = await asyncio.to_thread(self.memory.read, pid)

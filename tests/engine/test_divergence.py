@@ -82,7 +82,12 @@ def test_client_request_counter_skips_probes_in_flight_and_survives_a_vllm_resta
     seen(12, 5)  # a probe started (counted as ours) ...
     seen(13, 5)  # ... and finished: no client request
     assert _finished(m) == 2
-    seen(1, 5)  # vLLM restarted and counts from zero: nothing counted, nothing taken back
-    seen(3, 5)
+    m.observe_engine(0.0, EngineSample(kv_cache_usage=0.0, running=0, waiting=2, request_success_total=16,
+                                       generation_tokens_total=0), 5, own_in_flight=True)
+    assert _finished(m) == 2  # a prewarm's requests, finished before the shim counts them as its own
+    seen(16, 8)  # the prewarm ended: its 3 requests are the shim's
+    assert _finished(m) == 2
+    seen(1, 8)  # vLLM restarted and counts from zero: nothing counted, nothing taken back
+    seen(3, 8)
     assert _finished(m) == 4
     assert m.requests_waiting._value.get() == 2
