@@ -59,7 +59,7 @@ def test_no_deployment_until_the_auth_secret_exists_and_its_arrival_proceeds_at_
     took = time.monotonic() - created
     # The held model's own short timer found it, not the next resync.
     log = operator.read_text()
-    assert f"event=auth-secret-arrived model={ns}/{name} secret=keyed-keys" in log, log[-3000:]
+    assert f"event=secrets-arrived model={ns}/{name} secrets=keyed-keys" in log, log[-3000:]
     assert took < 10, f"the Deployment came {took:.1f}s after the Secret"
     wait_for("Degraded cleared", lambda: (c := _degraded(control_plane, ns, name)) and c["status"] == "False")
 

@@ -137,7 +137,7 @@ def wait_for_secret(namespace: str | None, name: str, spec: kopf.Spec, **_: Any)
         secret = cluster().get("v1", "Secret", namespace, use.name)
         if secret is None or use.key not in (secret.get("data") or {}):
             return
-    log.info("event=secret-arrived model=%s/%s", namespace, name)
+    log.info("event=secrets-arrived model=%s/%s secrets=%s", namespace, name, ",".join(u.name for u in refs))
     _reconcile_latest(namespace, name)
 
 
