@@ -217,12 +217,12 @@ def test_a_pod_pending_for_lack_of_a_t4_node_says_why_and_schedules_once_one_is_
     # test plays it: it adds the node a scale-up would add, and the pod must land on it.
     ns, name, pool = k8s_namespace, "burst", "t4-burst"
     unattended = {"metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}}}
+    # A hub source: no claim to bind, so the node selector is the one thing the scheduler waits on.
     spec = {
-        "model": {"pvc": {"claimName": "models", "path": "qwen"}},
+        "model": {"hub": {"id": "Qwen/Qwen2.5-1.5B-Instruct"}},
         "nodeSelector": {"cloud.example/pool": pool},
         "podTemplatePatch": unattended,
     }
-    create_model_volume(control_plane, ns, "models")
     _apply(control_plane, ns, _fm(name, spec))
 
     def unschedulable() -> dict[str, Any]:
