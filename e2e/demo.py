@@ -41,7 +41,7 @@ import yaml
 from flashmodel_operator.render import PREWARM_GATE
 
 from e2e.cluster import ControlPlane, ControlPlaneError, testbin_dir
-from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
+from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model, engine_python
 from e2e.load import Load
 from e2e.operator_run import create_model_volume, get_json, running_operator, scrape
 
@@ -485,12 +485,6 @@ def act_remediation(cp: ControlPlane, reads: Reads, namespace: str, kubelet: Eng
 # -- the whole run -------------------------------------------------------------------------------
 
 
-def default_engine_python() -> str:
-    venv = os.environ.get("FLASHMODEL_ENGINE_VENV") or str(
-        Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel")) / "venv-engine")
-    return str(Path(venv) / "bin" / "python")
-
-
 def wait_for_ctrl_c(cp: ControlPlane, namespace: str) -> None:
     say()
     say("Up until Ctrl-C. In another shell:")
@@ -582,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--objects-only", action="store_true",
                         help="only act 0: the examples' objects, no vLLM (seconds)")
     parser.add_argument("--keep", action="store_true", help="stay up at the end until Ctrl-C")
-    parser.add_argument("--engine-python", default=default_engine_python(),
+    parser.add_argument("--engine-python", default=engine_python(),
                         help="the Python of the venv with vLLM for the CPU (scripts/setup-engine.sh makes it)")
     args = parser.parse_args(argv)
 

@@ -164,6 +164,13 @@ def _http_status(url: str, timeout: float) -> int:
     return _http_get(url, timeout)[0]
 
 
+def engine_python() -> str:
+    """The engine venv's Python (scripts/setup-engine.sh makes it): FLASHMODEL_ENGINE_VENV, else under the cache."""
+    venv = os.environ.get("FLASHMODEL_ENGINE_VENV") or str(
+        Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel")) / "venv-engine")
+    return str(Path(venv) / "bin" / "python")
+
+
 class EngineKubelet:
     """Runs the engine processes for the engine pods of one namespace."""
 

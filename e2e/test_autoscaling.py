@@ -20,10 +20,10 @@ import yaml
 
 from e2e.autoscaling import Keda, Prometheus
 from e2e.cluster import ControlPlane
+from e2e.conftest import engine_python_or_skip
 from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.load import Load
 from e2e.operator_run import get_json, wait_for
-from e2e.test_self_healing import _engine_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,7 +91,7 @@ def scaling(
 ) -> Iterator[tuple[str, EngineKubelet, Prometheus, Keda]]:
     ns = control_plane.create_namespace("scaling")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=engine_python_or_skip(), env=ENGINE_ENV) as kubelet:
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(_model(ns, tiny_model)))
         yield ns, kubelet, *parts
         control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)

