@@ -128,18 +128,24 @@ def plan(smoke: bool) -> list[GCase]:
     # A smaller prefill budget per step: shorter mixed steps (decodes wait less behind prefills),
     # more steps per prompt. The T4 has about 1/15 of the H200's fp16 compute, so there a step's
     # prefill share weighs more; this measures what it costs or gains where compute is ample.
-    small_chunks = profile_args("t4", maxNumBatchedTokens=1024, extraArgs=["--enable-chunked-prefill"])
+    small_chunks = profile_args("t4", maxNumBatchedTokens=512, extraArgs=["--enable-chunked-prefill"])
+    # A second API server process: at H200 rates the one Python front end (tokenising, streaming
+    # every token) may bind before the GPU does.
+    two_frontends = profile_args("t4", extraArgs=["--api-server-count", "2"])
     # Priority order: the budget may end the list early.
     return [
         GCase("t4-1.5b", "1.5b", "t4", t4, 64.0, cross_check=True),
         GCase("defaults-1.5b", "1.5b", "defaults", [], 64.0),
         GCase("eager-1.5b", "1.5b", "eager", eager, 8.0),
-        GCase("t4-3b", "3b", "t4", t4, 64.0),
-        GCase("defaults-3b", "3b", "defaults", [], 64.0),
+        GCase("t4-api2-1.5b", "1.5b", "t4-api2", two_frontends, 64.0),
+        GCase("t4-mnbt512-1.5b", "1.5b", "t4-mnbt512", small_chunks, 64.0),
+        GCase("t4-3b", "3b", "t4", t4, 32.0),
+        GCase("defaults-3b", "3b", "defaults", [], 32.0),
+        GCase("t4-mnbt512-3b", "3b", "t4-mnbt512", small_chunks, 32.0),
         GCase("t4-0.5b", "0.5b", "t4", t4, 64.0),
         GCase("defaults-0.5b", "0.5b", "defaults", [], 64.0),
+        GCase("t4-api2-3b", "3b", "t4-api2", two_frontends, 32.0),
         GCase("eager-3b", "3b", "eager", eager, 8.0),
-        GCase("t4-mnbt1024-1.5b", "1.5b", "t4-mnbt1024", small_chunks, 64.0),
     ]
 
 
@@ -679,6 +685,71 @@ def watch_startups(servers: dict[str, tuple[slo_gpu.Server, str]], t0: float) ->
     return up
 
 
+# What one server in the T4 envelope takes of the card at most (13.4-14.9 GiB measured by
+# nvidia-smi): a wave starts as many as the card holds, so a smaller GPU runs the plan in waves.
+SERVER_FOOTPRINT_BYTES = int(15.5 * GIB)
+
+
+def run_wave(
+    wave: list[GCase],
+    envs: dict[str, tuple[list[str], dict[str, str]]],
+    results: dict[str, Any],
+    env: slo_gpu.Env,
+    a: argparse.Namespace,
+    search_s: float,
+    running: list[slo_gpu.Server],
+) -> None:
+    """Start a wave's servers together, then measure them one at a time while the others sit idle:
+    the start-ups share the wait, the measurements share nothing."""
+    servers: dict[str, tuple[slo_gpu.Server, int]] = {}
+    t_start = time.monotonic()
+    for case in wave:
+        argv, cenv = envs[case.name]
+        srv = slo_gpu.Server(argv, cenv, env.work / f"server-{case.name}.log")
+        running.append(srv)
+        servers[case.name] = (srv, int(argv[argv.index("--port") + 1]))
+    up_at = watch_startups({n: (srv, f"http://127.0.0.1:{port}/health") for n, (srv, port) in servers.items()}, t_start)
+    for case in wave:
+        server, port = servers[case.name]
+        r = results["cases"][case.name]
+        url = f"http://127.0.0.1:{port}"
+        limit = max(1.0, a.startup_s - (time.monotonic() - t_start))
+        up = slo_gpu.wait_until(url + "/health", server, limit)
+        if up is None:
+            r["error"] = "server did not come up"
+            r["log_tail"] = server.tail(30)
+            log("server_failed", case=case.name, tail=server.tail(5).replace("\n", " | ")[-400:])
+            server.stop()
+            continue
+        # The watcher thread may not have seen it yet when this thread did.
+        r["startup_s"] = up_at.get(case.name) or round(time.monotonic() - t_start, 1)
+        cross = case.cross_check and a.cross_rounds > 0
+        needed = search_s + 40 + (90 if cross else 0)
+        if env.left() < needed:
+            results["skipped"].append({"case": case.name, "reason": f"budget: {env.left():.0f}s left"})
+            log("case_skipped", case=case.name, left_s=round(env.left()))
+            server.stop()
+            continue
+        t0 = time.monotonic()
+        try:
+            loadgen.run_async(measure(url, case, env, min(search_s, env.left() - 30), r))
+            if cross and env.left() > 90:
+                r["cross_check"] = cross_check(url, env.models / model_dir(case), a.cross_rounds)
+                results["cross_check"] = r["cross_check"] | {"case": case.name}
+        except Exception as e:  # one case's failure keeps the others' results
+            r["error"] = f"{type(e).__name__}: {e}"
+            log("case_failed", case=case.name, error=str(e)[:300])
+        r["process_gpu_mib"] = process_memory_mib(server.proc.pid)
+        r["case_seconds"] = round(time.monotonic() - t0, 1)
+        server.stop()
+        r["log_facts"] = log_facts(server.log_path.read_text(errors="replace"))
+        if case.cross_check and "error" not in r and env.left() > 400 and not a.no_restart:
+            # Early in the run: the one start-up on warm caches the profile's cache volume promises.
+            results["restart"] = restart(case.name, *envs[case.name], env)
+        save(results, env)
+        log("case_done", **{k: v for k, v in row(case.name, r).items() if v is not None})
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -695,6 +766,8 @@ def main() -> int:
     p.add_argument("--rate-max", type=float, default=0.0)
     p.add_argument("--cross-rounds", type=int, default=CROSS_ROUNDS)
     p.add_argument("--startup-s", type=float, default=600.0, help="wait this long for the servers to come up")
+    p.add_argument("--max-servers", type=int, default=0, help="servers per wave (default: what the card holds)")
+    p.add_argument("--no-restart", action="store_true", help="skip the restart on warm compile caches")
     a = p.parse_args()
     env = slo_gpu.Env(
         out=Path(a.out),
@@ -737,9 +810,7 @@ def main() -> int:
     base_env = os.environ | {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if env.smoke:
         base_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    servers: dict[str, tuple[slo_gpu.Server, int]] = {}
     envs: dict[str, tuple[list[str], dict[str, str]]] = {}
-    t_start = time.monotonic()
     for i, case in enumerate(cases):
         port = (18500 if env.smoke else 8000) + i
         argv, memory = server_argv(case, env.models / model_dir(case), port, env)
@@ -750,52 +821,18 @@ def main() -> int:
             "argv": argv[3:],
             "memory_plan": memory,
         }
-        cenv = base_env | slo_gpu.fresh_caches(env.work, case.name)
-        envs[case.name] = (argv, cenv)
-        servers[case.name] = (slo_gpu.Server(argv, cenv, env.work / f"server-{case.name}.log"), port)
+        envs[case.name] = (argv, base_env | slo_gpu.fresh_caches(env.work, case.name))
     save(results, env)
-    up_at = watch_startups({n: (srv, f"http://127.0.0.1:{port}/health") for n, (srv, port) in servers.items()}, t_start)
+    per_wave = a.max_servers or (len(cases) if env.smoke else max(1, gpu_total_bytes() // SERVER_FOOTPRINT_BYTES))
+    waves = [cases[k : k + per_wave] for k in range(0, len(cases), per_wave)]
+    results["waves"] = [[c.name for c in w] for w in waves]
+    log("waves", servers_per_wave=per_wave, waves=len(waves))
+    running: list[slo_gpu.Server] = []
     try:
-        for case in cases:
-            server, port = servers[case.name]
-            r = results["cases"][case.name]
-            url = f"http://127.0.0.1:{port}"
-            limit = max(1.0, a.startup_s - (time.monotonic() - t_start))
-            up = slo_gpu.wait_until(url + "/health", server, limit)
-            if up is None:
-                r["error"] = "server did not come up"
-                r["log_tail"] = server.tail(30)
-                log("server_failed", case=case.name, tail=server.tail(5).replace("\n", " | ")[-400:])
-                server.stop()
-                continue
-            # The watcher thread may not have seen it yet when this thread did.
-            r["startup_s"] = up_at.get(case.name) or round(time.monotonic() - t_start, 1)
-            needed = search_s + 40 + (90 if case.cross_check else 0)
-            if env.left() < needed:
-                results["skipped"].append({"case": case.name, "reason": f"budget: {env.left():.0f}s left"})
-                log("case_skipped", case=case.name, left_s=round(env.left()))
-                server.stop()
-                continue
-            t0 = time.monotonic()
-            try:
-                loadgen.run_async(measure(url, case, env, min(search_s, env.left() - 30), r))
-                if case.cross_check and env.left() > 90:
-                    r["cross_check"] = cross_check(url, env.models / model_dir(case), a.cross_rounds)
-                    results["cross_check"] = r["cross_check"] | {"case": case.name}
-            except Exception as e:  # one case's failure keeps the others' results
-                r["error"] = f"{type(e).__name__}: {e}"
-                log("case_failed", case=case.name, error=str(e)[:300])
-            r["process_gpu_mib"] = process_memory_mib(server.proc.pid)
-            r["case_seconds"] = round(time.monotonic() - t0, 1)
-            server.stop()
-            r["log_facts"] = log_facts(server.log_path.read_text(errors="replace"))
-            if case.cross_check and "error" not in r and env.left() > 400:
-                # Early in the run: the one start-up on warm caches the profile's cache volume promises.
-                results["restart"] = restart(case.name, *envs[case.name], env)
-            save(results, env)
-            log("case_done", **{k: v for k, v in row(case.name, r).items() if v is not None})
+        for wave in waves:
+            run_wave(wave, envs, results, env, a, search_s, running)
     finally:
-        for srv, _ in servers.values():
+        for srv in running:
             srv.stop()
         save(results, env)
     print(markdown(results))
