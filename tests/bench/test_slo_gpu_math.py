@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import loadgen, slo_gpu
+from bench.slo import loadgen, slo_gpu
 
 QWEN_1_5B: dict[str, object] = {
     "hidden_size": 1536,

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench import loadgen
-from bench.loadgen import Prompt, RequestResult, RunLimits, SearchSettings, Target, Workload
+from bench.slo import loadgen
+from bench.slo.loadgen import Prompt, RequestResult, RunLimits, SearchSettings, Target, Workload
 
 STALL_S = 1.0  # how long the first concurrent batch blocks every stream, once
 TOKENS = 8

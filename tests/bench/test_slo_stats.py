@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from bench import loadgen
-from bench.loadgen import RequestResult, SearchSettings, Workload
+from bench.slo import loadgen
+from bench.slo.loadgen import RequestResult, SearchSettings, Workload
 
 
 def test_percentile_interpolates_between_ranks() -> None:

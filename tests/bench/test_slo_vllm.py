@@ -27,13 +27,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench import loadgen
-from bench.loadgen import RunLimits, SearchSettings, ServerTokenizer, Target
+from bench.slo import loadgen
+from bench.slo.loadgen import RunLimits, SearchSettings, ServerTokenizer, Target
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = "slo-bpe-tiny-v1"  # bump when bench/mkmodel.py's tiny recipe changes
+RECIPE = "slo-bpe-tiny-v1"  # bump when bench/slo/mkmodel.py's tiny recipe changes
 API_KEY = os.environ.get("FLASHMODEL_BENCH_VLLM_KEY", "sk-bench")
 
 
@@ -52,7 +52,7 @@ def vllm_python() -> str | None:
 
 
 def tiny_model(python: str) -> Path:
-    """Build (once, cached, atomically) the tiny BPE model with bench/mkmodel.py."""
+    """Build (once, cached, atomically) the tiny BPE model with bench/slo/mkmodel.py."""
     cache = Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel"))
     out = cache / "models" / RECIPE
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
@@ -61,7 +61,10 @@ def tiny_model(python: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{RECIPE}-", dir=out.parent))
     try:
         subprocess.run(
-            [python, str(ROOT / "bench" / "mkmodel.py"), str(tmp), "tiny"], check=True, capture_output=True, timeout=600
+            [python, str(ROOT / "bench" / "slo" / "mkmodel.py"), str(tmp), "tiny"],
+            check=True,
+            capture_output=True,
+            timeout=600,
         )
         tmp.chmod(0o755)
         try:
@@ -279,7 +282,7 @@ def test_cli_prints_the_table_and_writes_json(vllm_url: str, tmp_path: Path) -> 
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "loadgen.py"),
+            str(ROOT / "bench" / "slo" / "loadgen.py"),
             "sweep",
             "--url",
             vllm_url,

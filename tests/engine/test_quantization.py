@@ -1,7 +1,7 @@
 """spec.model.quantization: the method table per profile, the checkpoint's method at preflight, the
 --quantization flag, and the memory plan of quantized and fp16 checkpoints (no vLLM started).
 
-Tiny checkpoints are real (bench/mkquant.py); the 7B ones carry mkquant's real safetensors header
+Tiny checkpoints are real (bench/slo/mkquant.py); the 7B ones carry mkquant's real safetensors header
 for that shape over a sparse file, so the preflight measures 15 GB of tensors without the disk.
 """
 
@@ -29,7 +29,7 @@ from flashmodel_engine.preflight import (
 )
 from flashmodel_engine.profiles import ProfileError, resolve, vllm_args
 
-from bench import mkquant
+from bench.slo import mkquant
 
 T4 = DeviceInfo(name="Tesla T4", compute_capability=(7, 5), total_memory_bytes=15 * 1024**3)
 

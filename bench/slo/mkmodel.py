@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random-weight Qwen2-shaped model with a byte-level BPE tokenizer, for benchmarks and tests.
 
-    python3 bench/mkmodel.py OUTDIR SHAPE [OUTDIR SHAPE ...]   # SHAPE: tiny | 0.5b | 1.5b | 3b | 7b
+    python3 bench/slo/mkmodel.py OUTDIR SHAPE [OUTDIR SHAPE ...]   # SHAPE: tiny | 0.5b | 1.5b | 3b | 7b
 
 The shapes are those of ../shared/gpu/mk.py (no weights can be downloaded here: the arithmetic
 and memory traffic are the real model's, the text is noise). The tokenizer differs on purpose:

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Write random-weight INT4 checkpoints (AWQ or GPTQ layout) of mkmodel's shapes, loadable by vLLM.
 
-    python3 bench/mkquant.py OUTDIR SHAPE METHOD [OUTDIR SHAPE METHOD ...]
+    python3 bench/slo/mkquant.py OUTDIR SHAPE METHOD [OUTDIR SHAPE METHOD ...]
     # SHAPE: tiny | 0.5b | 1.5b | 3b | 7b | qwen3-4b     METHOD: awq | gptq | fp16
 
-The tokenizer and the Qwen2.5 shapes are bench/mkmodel.py's. Only the decoder's linear layers
+The tokenizer and the Qwen2.5 shapes are bench/slo/mkmodel.py's. Only the decoder's linear layers
 (q/k/v/o, gate/up/down) are quantized, group size 128; embeddings, norms, biases and lm_head stay
 fp16, as in the AutoAWQ and AutoGPTQ checkpoints published for Qwen2.5:
 
@@ -44,10 +44,10 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python3 bench/mkquant.py`
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as `python3 bench/slo/mkquant.py`
     sys.path.insert(0, str(ROOT))
-from bench.mkmodel import SHAPES, make_readable, qwen2_config, write_tokenizer  # noqa: E402
+from bench.slo.mkmodel import SHAPES, make_readable, qwen2_config, write_tokenizer  # noqa: E402
 
 Method = Literal["awq", "gptq", "fp16"]
 METHODS: tuple[Method, ...] = ("awq", "gptq", "fp16")

@@ -1,6 +1,6 @@
 """Engine benchmark on the real vLLM (cpu profile, tiny model): shim overhead, prewarm effect, start-up split.
 
-    ~/.cache/flashmodel/venv-engine/bin/python -m tests.engine.bench_engine [--out results.json]
+    ~/.cache/flashmodel/venv-engine/bin/python -m bench.engine.shim_prewarm [--out results.json]
 
 Starts two engines one after the other (never two at once): A without prewarm, B with it.
 """
@@ -56,8 +56,9 @@ async def probe_latencies(session: aiohttp.ClientSession, url: str, n: int) -> t
     return out, reasons
 
 
-async def under_load(session: aiohttp.ClientSession, engine: LaunchedEngine, path: str, n: int,
-                     concurrency: int = 32) -> dict[str, Any]:
+async def under_load(
+    session: aiohttp.ClientSession, engine: LaunchedEngine, path: str, n: int, concurrency: int = 32
+) -> dict[str, Any]:
     stop = asyncio.Event()
     done = 0
 
@@ -77,8 +78,13 @@ async def under_load(session: aiohttp.ClientSession, engine: LaunchedEngine, pat
     elapsed = time.perf_counter() - t0
     stop.set()
     await asyncio.gather(*clients)
-    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "n": n, "answers": dict(reasons),
-            "client_requests_per_second": round(done / (elapsed + 3), 1)}
+    return {
+        "p50_ms": pct(lat, 0.5),
+        "p99_ms": pct(lat, 0.99),
+        "n": n,
+        "answers": dict(reasons),
+        "client_requests_per_second": round(done / (elapsed + 3), 1),
+    }
 
 
 async def run_a(engine: LaunchedEngine, n: int) -> dict[str, Any]:
@@ -90,8 +96,12 @@ async def run_a(engine: LaunchedEngine, n: int) -> dict[str, Any]:
             res["prewarm"] = await r.json()
         for path in ("/readyz", "/livez"):
             lat, reasons = await probe_latencies(s, engine.shim + path, n)
-            res[f"{path[1:]}_alone"] = {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "n": n,
-                                        "answers": dict(reasons)}
+            res[f"{path[1:]}_alone"] = {
+                "p50_ms": pct(lat, 0.5),
+                "p99_ms": pct(lat, 0.99),
+                "n": n,
+                "answers": dict(reasons),
+            }
         for path in ("/readyz", "/livez"):
             res[f"{path[1:]}_under_32_concurrent"] = await under_load(s, engine, path, n)
     return res
@@ -107,8 +117,10 @@ async def run_b(engine: LaunchedEngine) -> dict[str, Any]:
         warm = [await ttft(s, engine) for _ in range(10)]
         res["warm_ttft_ms_median"] = statistics.median(warm) * 1000
     text = engine.metrics()
-    res["startup_seconds"] = {p: round(metric(text, "flashmodel_startup_seconds", f'phase="{p}"'), 2)
-                              for p in ("launcher", "engine_load", "prewarm")}
+    res["startup_seconds"] = {
+        p: round(metric(text, "flashmodel_startup_seconds", f'phase="{p}"'), 2)
+        for p in ("launcher", "engine_load", "prewarm")
+    }
     res["prewarm"] = engine.get("/prewarm").json()
     return res
 
@@ -123,9 +135,12 @@ def main() -> None:
 
     model = build_tiny_model()
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": len(__import__("os").sched_getaffinity(0)), "python": platform.python_version(),
-        "vllm": vllm.__version__, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
     }
     # readinessCacheSeconds 0: every /readyz does its real check, so the numbers are the probe's cost.
     health = {"readinessDeadlineSeconds": 5, "readinessCacheSeconds": 0, "startupTimeoutSeconds": 400}
@@ -138,12 +153,13 @@ def main() -> None:
         with launched(work_b, engine_config(model, health=health)) as b:
             results["b"] = asyncio.run(run_b(b))
     results["first_ttft_ratio_without_over_with_prewarm"] = round(
-        results["a"]["first_ttft_ms_without_prewarm"] / results["b"]["first_ttft_ms_after_prewarm"], 1)
+        results["a"]["first_ttft_ms_without_prewarm"] / results["b"]["first_ttft_ms_after_prewarm"], 1
+    )
     emit(results, args.out)
 
 
 def emit(results: dict[str, Any], out: Path | None) -> None:
-    """Print the results as JSON, and keep them in `out` when given (docs/benchmarks.md cites it)."""
+    """Print the results as JSON, and keep them in `out` when given (docs/benchmarks/engine.md cites it)."""
     text = json.dumps(results, indent=2)
     print(text)
     if out:

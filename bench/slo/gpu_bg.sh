@@ -4,8 +4,8 @@
 # calls that wait on it and bring back what it has written so far. Every pair the issue asks
 # for then comes from the same script run, in one machine hold. From the project root:
 #
-#   DEVICE_LEFT_S=N bash bench/gpu_bg.sh start RUN [slo_gpu.py args...]   # stage, wheel, models, launch, follow
-#   bash bench/gpu_bg.sh follow RUN                       # wait (up to FOLLOW_S, default 560 s), copy back
+#   DEVICE_LEFT_S=N bash bench/slo/gpu_bg.sh start RUN [slo_gpu.py args...]   # stage, wheel, models, launch, follow
+#   bash bench/slo/gpu_bg.sh follow RUN                       # wait (up to FOLLOW_S, default 560 s), copy back
 #
 # `start` needs the staged vLLM (.gpu/stage.sh; exit 3 while parts are missing) and builds the
 # models named in MODELS (default "0.5b 1.5b 7b") on the GPU first: the GPU is idle then, and a
@@ -15,8 +15,8 @@ set -uo pipefail
 cmd=${1:?start or follow} run=${2:?run name}
 shift 2
 dir=/tmp/slo-bg/$run
-# SCRIPT: the benchmark to run (bench/goodput_gpu.py: the goodput comparison in a T4 envelope).
-export SCRIPT=${SCRIPT:-bench/slo_gpu.py}
+# SCRIPT: the benchmark to run (bench/slo/goodput_gpu.py: the goodput comparison in a T4 envelope).
+export SCRIPT=${SCRIPT:-bench/slo/slo_gpu.py}
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried
 
@@ -53,7 +53,7 @@ start)
   done
   if [ ${#builds[@]} -gt 0 ]; then  # one process for all: torch's import is paid once
     t0=$SECONDS
-    python3 bench/mkmodel.py "${builds[@]}" || { echo "model build failed"; exit 4; }
+    python3 bench/slo/mkmodel.py "${builds[@]}" || { echo "model build failed"; exit 4; }
     echo "models built in $((SECONDS - t0))s"
   fi
   mkdir -p "$dir"

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Load generator for OpenAI-compatible LLM servers: Poisson and concurrency sweeps against a TTFT SLO.
 
-    python3 bench/loadgen.py search --url http://127.0.0.1:8000 --slo-ttft-ms 300 --json-out r.json
-    python3 bench/loadgen.py run    --url http://127.0.0.1:8000 --rate 8 --num-requests 128
-    python3 bench/loadgen.py sweep  --url http://127.0.0.1:8000 --concurrency 1,8,32
+    python3 bench/slo/loadgen.py search --url http://127.0.0.1:8000 --slo-ttft-ms 300 --json-out r.json
+    python3 bench/slo/loadgen.py run    --url http://127.0.0.1:8000 --rate 8 --num-requests 128
+    python3 bench/slo/loadgen.py sweep  --url http://127.0.0.1:8000 --concurrency 1,8,32
 
 The workload is the field reports' one: 128 prompts of about 217 tokens (a spread of lengths),
 48 output tokens, greedy, `ignore_eos` so every request decodes the same number of tokens.

