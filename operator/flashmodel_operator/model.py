@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 # spec.model.quantization's values: the engine's table is the one list (the CRD's enum is checked against it).
 from flashmodel_engine.quantization import Quantization as Quantization
@@ -15,31 +15,38 @@ class _Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
+# Bounds as the CRD states them (tests/crd/test_model_agrees.py compares the two field by field): the
+# API server refuses what lies outside, so a body that reaches the operator always fits.
+ObjectName = Annotated[str, Field(min_length=1, max_length=253)]
+ModelName = Annotated[str, Field(min_length=1, max_length=256)]
+PathText = Annotated[str, Field(max_length=1024)]
+
+
 class PVCSource(_Spec):
     """A model directory on a PersistentVolumeClaim, mounted read-only at /models."""
 
-    claim_name: str
-    path: str = ""
+    claim_name: ObjectName
+    path: PathText = ""
 
 
 class ImageSource(_Spec):
     """A model packaged in an OCI image, mounted as an image volume."""
 
-    reference: str
-    path: str = "/"
+    reference: Annotated[str, Field(min_length=1, max_length=1024)]
+    path: PathText = "/"
 
 
 class HubTokenRef(_Spec):
     """The Secret key whose value the engine gets as HF_TOKEN, for gated or private hub models."""
 
-    name: str
-    key: str = "token"
+    name: ObjectName
+    key: ObjectName = "token"
 
 
 class CachePVC(_Spec):
     """A PersistentVolumeClaim, in the FlashModel's namespace, that holds the hub cache."""
 
-    claim_name: str
+    claim_name: ObjectName
 
 
 class HubCache(_Spec):
@@ -51,8 +58,8 @@ class HubCache(_Spec):
 class HubSource(_Spec):
     """A model id that vLLM resolves itself (a hub id or a path inside the engine image)."""
 
-    id: str
-    revision: str = "main"
+    id: ModelName
+    revision: ModelName = "main"
     token_secret_ref: HubTokenRef | None = None
     cache: HubCache | None = None
 
@@ -63,7 +70,7 @@ class ModelSpec(_Spec):
     pvc: PVCSource | None = None
     image: ImageSource | None = None
     hub: HubSource | None = None
-    served_name: str | None = None
+    served_name: ModelName | None = None
     quantization: Quantization = "auto"
 
     @model_validator(mode="after")
@@ -77,67 +84,67 @@ class ModelSpec(_Spec):
 class EngineSpec(_Spec):
     """vLLM settings; the accelerator profile decides which values are allowed."""
 
-    image: str = "ghcr.io/flashmodel/engine:0.1.0"
+    image: Annotated[str, Field(min_length=1, max_length=1024)] = "ghcr.io/flashmodel/engine:0.1.0"
     # No default here: the accelerator profile decides (16 on t4, 32 on cpu).
-    block_size: int | None = None
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 256
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 4096
+    block_size: int | None = Field(default=None, ge=1, le=256)
+    gpu_memory_utilization: float = Field(default=0.85, ge=0.1, le=0.95)
+    max_num_seqs: int = Field(default=256, ge=1, le=1024)
+    max_model_len: int = Field(default=4096, ge=128, le=131072)
+    max_num_batched_tokens: int = Field(default=4096, ge=16, le=131072)
     dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = None
     # No default here: the accelerator profile decides (graphs on t4, eager on cpu).
     enforce_eager: bool | None = None
     attention_backend: Literal["triton", "tile", "auto"] = "triton"
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[PathText] = Field(default_factory=list, max_length=64)
 
 
 class PrewarmSpec(_Spec):
     """Warm-up requests a pod must answer before it takes traffic."""
 
     enabled: bool = True
-    requests: int = 5
-    prompts: list[str] = Field(default_factory=list)
-    max_tokens: int = 16
-    timeout_seconds: int = 120
+    requests: int = Field(default=5, ge=1, le=100)
+    prompts: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=32)
+    max_tokens: int = Field(default=16, ge=1, le=4096)
+    timeout_seconds: int = Field(default=120, ge=1, le=3600)
 
 
 class HealthSpec(_Spec):
     """Deadlines for the health shim's probes."""
 
-    readiness_deadline_seconds: float = 5
-    readiness_cache_seconds: float = 5
-    startup_timeout_seconds: int = 900
+    readiness_deadline_seconds: int = Field(default=5, ge=1, le=300)
+    readiness_cache_seconds: int = Field(default=5, ge=0, le=300)
+    startup_timeout_seconds: int = Field(default=900, ge=30, le=7200)
 
 
 class RemediationSpec(_Spec):
     """When and how often the operator may replace a pod whose memory diverges or whose generation hangs."""
 
     enabled: bool = True
-    divergence_ratio: float = 0.10
-    divergence_window_seconds: int = 300
-    low_kv_cache_usage: float = Field(default=0.5, alias="lowKVCacheUsage")
-    max_restarts_per_hour: int = 2
-    hung_readiness_seconds: int = 120
+    divergence_ratio: float = Field(default=0.10, ge=0.01, le=1)
+    divergence_window_seconds: int = Field(default=300, ge=10, le=86400)
+    low_kv_cache_usage: float = Field(default=0.5, ge=0, le=1, alias="lowKVCacheUsage")
+    max_restarts_per_hour: int = Field(default=2, ge=0, le=60)
+    hung_readiness_seconds: int = Field(default=120, ge=10, le=3600)
 
 
 class AutoscalingSpec(_Spec):
     """Replica bounds and per-replica targets; the autoscaler scales the FlashModel through its scale subresource."""
 
     scaler: Literal["keda", "hpa"] = "keda"
-    min_replicas: int = Field(default=1, ge=1)
-    max_replicas: int
-    target_requests_per_second: float = 8
-    target_queue_depth: float | None = None
-    target_kv_cache_usage: float | None = Field(default=None, alias="targetKVCacheUsage")
-    target_ttft_milliseconds: float | None = Field(default=None, alias="targetTTFTMilliseconds")
-    window_seconds: int = 60
-    scale_up_stabilization_seconds: int = 60
-    scale_down_stabilization_seconds: int = 300
+    min_replicas: int = Field(default=1, ge=1, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+    target_requests_per_second: float = Field(default=8, ge=0.1, le=10000)
+    target_queue_depth: float | None = Field(default=None, ge=0.1, le=10000)
+    target_kv_cache_usage: float | None = Field(default=None, ge=0.05, le=1, alias="targetKVCacheUsage")
+    target_ttft_milliseconds: float | None = Field(default=None, ge=1, le=600000, alias="targetTTFTMilliseconds")
+    window_seconds: int = Field(default=60, ge=10, le=3600)
+    scale_up_stabilization_seconds: int = Field(default=60, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
 
 
 class SecretKeyRef(_Spec):
-    name: str
-    key: str = "api-key"
+    name: ObjectName
+    key: ObjectName = "api-key"
 
 
 class AuthSpec(_Spec):
@@ -147,7 +154,7 @@ class AuthSpec(_Spec):
 class ObservabilitySpec(_Spec):
     """Where the engine sends its OpenTelemetry request spans."""
 
-    otlp_traces_endpoint: str | None = None
+    otlp_traces_endpoint: Annotated[str, Field(min_length=8, max_length=1024)] | None = None
     otlp_traces_protocol: Literal["grpc", "http/protobuf"] = "grpc"
 
 
@@ -156,7 +163,7 @@ class FlashModelSpec(_Spec):
 
     model: ModelSpec
     accelerator: Literal["t4", "cpu"] = "t4"
-    replicas: int = 1
+    replicas: int = Field(default=1, ge=0)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prewarm: PrewarmSpec = Field(default_factory=PrewarmSpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
@@ -166,8 +173,8 @@ class FlashModelSpec(_Spec):
     observability: ObservabilitySpec | None = None
     # Core Kubernetes types pass through untouched: the API server already validated them.
     resources: dict[str, Any] = Field(default_factory=dict)
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(default_factory=dict, max_length=64)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     affinity: dict[str, Any] = Field(default_factory=dict)
     pod_template_patch: dict[str, Any] = Field(default_factory=dict)
 

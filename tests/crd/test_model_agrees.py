@@ -1,0 +1,336 @@
+"""The CRD's spec schema, the operator's pydantic models and the engine config agree, field by field.
+
+The CRD is the contract the API server enforces; model.py parses what it admitted, and the engine
+config is what the operator writes from it. Each is written by hand, so these tests walk them
+together and name every field whose name, type, default, enum, bounds or required-ness differ.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types
+import pytest
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from tests.crd.test_schema import schema
+
+# What a pydantic field says about the values it accepts, in the CRD's vocabulary.
+Shape = dict[str, Any]
+
+# Bounds the CRD states as a CEL rule instead of minimum/maximum, so that the refusal says what to do.
+# The rule's text is checked below, so removing the rule fails too.
+_BOUND_AS_CEL = {"spec.autoscaling.minReplicas": ("minimum", 1, "self.minReplicas >= 1")}
+
+
+def _is_optional(annotation: Any) -> tuple[bool, Any]:
+    """(True, T) for `T | None`, else (False, annotation)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) < len(get_args(annotation)):
+            assert len(args) == 1, f"a union of several types has no CRD form: {annotation}"
+            return True, args[0]
+    return False, annotation
+
+
+def _type_shape(annotation: Any) -> Shape:
+    """The CRD schema node a Python type corresponds to, with its bounds, without a default."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        inner, *extras = get_args(annotation)
+        shape = _type_shape(inner)
+        for extra in extras:
+            assert isinstance(extra, FieldInfo), f"{annotation}: only Field(...) constraints have a CRD form here"
+            _add_bounds(shape, extra.metadata)
+        return shape
+    if annotation is Any:
+        return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return {"type": "object", "model": annotation}
+    if origin is Literal:
+        values = list(get_args(annotation))
+        return {"type": "string", "enum": values}
+    if origin is list:
+        return {"type": "array", "items": _type_shape(get_args(annotation)[0])}
+    if origin is dict:
+        key, value = get_args(annotation)
+        assert key is str, f"CRD maps have string keys, not {key}"
+        if value is Any:
+            return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        return {"type": "object", "additionalProperties": _type_shape(value)}
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    assert annotation in simple, f"no CRD type for {annotation}"
+    return {"type": simple[annotation]}
+
+
+_BOUNDS = {
+    annotated_types.Ge: ("minimum", "ge"),
+    annotated_types.Le: ("maximum", "le"),
+    # The CRD has no field of this form (OpenAPI 3.0's exclusiveMinimum is a flag), so a model
+    # bound `gt` always shows as a difference from the CRD; the engine config may use it.
+    annotated_types.Gt: ("exclusiveMinimum", "gt"),
+    annotated_types.MinLen: ("minLength", "min_length"),
+    annotated_types.MaxLen: ("maxLength", "max_length"),
+}
+
+
+def _add_bounds(shape: Shape, constraints: list[Any]) -> None:
+    for constraint in constraints:
+        kind = _BOUNDS.get(type(constraint))
+        assert kind is not None, f"constraint {constraint!r} has no CRD counterpart here; add one to _BOUNDS"
+        key, attr = kind
+        # pydantic's length bounds are the CRD's item and property counts on lists and maps.
+        if shape["type"] == "array":
+            key = key.replace("Length", "Items")
+        elif shape["type"] == "object":
+            key = key.replace("Length", "Properties")
+        shape[key] = getattr(constraint, attr)
+
+
+def field_shape(field: FieldInfo) -> Shape:
+    """The CRD schema node (type, enum, default, bounds, optional) a pydantic field stands for."""
+    optional, annotation = _is_optional(field.annotation)
+    shape = _type_shape(annotation)
+    _add_bounds(shape, field.metadata)
+    shape["required"] = field.is_required()
+    if not field.is_required():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            # The CRD says `default: {}` and the API server fills in the nested defaults, which
+            # are compared field by field below.
+            shape["default"] = {}
+        elif default is not None:
+            shape["default"] = default
+        elif not optional:
+            raise AssertionError(f"{field} defaults to None but its type {field.annotation} does not admit None")
+    return shape
+
+
+def _crd_shape(node: dict[str, Any]) -> Shape:
+    keys = (
+        "type",
+        "enum",
+        "default",
+        "minimum",
+        "maximum",
+        "minLength",
+        "maxLength",
+        "maxItems",
+        "maxProperties",
+        "x-kubernetes-preserve-unknown-fields",
+    )
+    return {k: node[k] for k in keys if k in node}
+
+
+def _empty(value: object) -> bool:
+    return isinstance(value, (dict, list)) and not value
+
+
+def compare(model: type[BaseModel], node: dict[str, Any], path: str) -> list[str]:
+    """Every difference between a pydantic model and the CRD object schema at `path`."""
+    problems: list[str] = []
+    crd_props: dict[str, Any] = node.get("properties", {})
+    fields = {f.alias or name: f for name, f in model.model_fields.items()}
+    for name in sorted(set(crd_props) - set(fields)):
+        problems.append(f"{path}.{name}: in the CRD, not in {model.__name__} (the operator would refuse it)")
+    for name in sorted(set(fields) - set(crd_props)):
+        problems.append(f"{path}.{name}: in {model.__name__}, not in the CRD (the API server prunes it)")
+    required = set(node.get("required", []))
+    for name in sorted(set(fields) & set(crd_props)):
+        where = f"{path}.{name}"
+        shape = field_shape(fields[name])
+        if shape.pop("required") != (name in required):
+            problems.append(f"{where}: required in {'the model' if name not in required else 'the CRD'} only")
+        problems += _compare_node(shape, crd_props[name], where)
+    return problems
+
+
+def _compare_node(shape: Shape, crd_node: dict[str, Any], where: str) -> list[str]:
+    problems: list[str] = []
+    nested = shape.pop("model", None)
+    items = shape.pop("items", None)
+    values = shape.pop("additionalProperties", None)
+    crd = _crd_shape(crd_node)
+    if where in _BOUND_AS_CEL:
+        key, bound, rule = _BOUND_AS_CEL[where]
+        if shape.get(key) == bound and key not in crd:
+            shape.pop(key)
+            parent_rules = " ".join(r["rule"] for r in _rules_above(where))
+            if rule not in parent_rules:
+                problems.append(f"{where}: the model's {key} {bound} is neither in the CRD nor its CEL rule {rule!r}")
+    # An empty list or map as the model's default is the same object as the CRD's absent field
+    # (a nested object's `default: {}` is not: the API server fills in its fields' defaults).
+    if nested is None and _empty(shape.get("default")) and "default" not in crd:
+        shape.pop("default")
+    for key in sorted(set(shape) | set(crd)):
+        mine, theirs = shape.get(key), crd.get(key)
+        if mine != theirs or (key == "default" and type(mine) is not type(theirs)):
+            problems.append(f"{where}: {key} is {mine!r} in the model, {theirs!r} in the CRD")
+    if nested is not None:
+        problems += compare(nested, crd_node, where)
+    if items is not None:
+        problems += _compare_node(items, crd_node.get("items", {}), f"{where}[]")
+    if values is not None:
+        problems += _compare_node(values, crd_node.get("additionalProperties") or {}, f"{where}{{}}")
+    return problems
+
+
+def _rules_above(where: str) -> list[dict[str, Any]]:
+    node = schema()
+    for part in where.split(".")[:-1]:
+        node = node["properties"][part]
+    rules: list[dict[str, Any]] = node.get("x-kubernetes-validations", [])
+    return rules
+
+
+def test_the_operator_model_and_the_crd_spec_agree_field_by_field() -> None:
+    from flashmodel_operator.model import FlashModelSpec
+
+    spec = schema()["properties"]["spec"]
+    problems = compare(FlashModelSpec, spec, "spec")
+    assert problems == [], "the CRD and operator/flashmodel_operator/model.py disagree:\n" + "\n".join(problems)
+
+
+def test_the_comparison_names_each_kind_of_drift() -> None:
+    from pydantic import Field
+
+    class Drifted(BaseModel):
+        renamed: int = 1
+        wide: int = Field(default=3, ge=0)
+        kind: Literal["a", "b"] = "a"
+        needed: str = "x"
+
+    node = {
+        "required": ["needed"],
+        "properties": {
+            "original": {"type": "integer"},
+            "wide": {"type": "integer", "default": 4, "minimum": 1},
+            "kind": {"type": "string", "enum": ["a", "c"], "default": "a"},
+            "needed": {"type": "string"},
+        },
+    }
+    assert compare(Drifted, node, "x") == [
+        "x.original: in the CRD, not in Drifted (the operator would refuse it)",
+        "x.renamed: in Drifted, not in the CRD (the API server prunes it)",
+        "x.kind: enum is ['a', 'b'] in the model, ['a', 'c'] in the CRD",
+        "x.needed: required in the CRD only",
+        "x.needed: default is 'x' in the model, None in the CRD",
+        "x.wide: default is 3 in the model, 4 in the CRD",
+        "x.wide: minimum is 0 in the model, 1 in the CRD",
+    ]
+
+
+# The spec sections the operator copies into the engine config (render.engine_config), and the
+# engine config's section that reads each. Fields only one side has are named with the reason.
+_MIRRORED = {
+    "engine": "EngineSettings",
+    "prewarm": "PrewarmSettings",
+    "health": "HealthSettings",
+    "remediation": "RemediationSettings",
+    "observability": "ObservabilitySettings",
+}
+# Only in the engine config: the cpu profile's KV-cache size, which no FlashModel field sets.
+_ENGINE_ONLY = {"engine": {"cpuKVCacheSpaceGiB"}}
+
+
+def _aliases(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    return {f.alias or name: f for name, f in model.model_fields.items()}
+
+
+def _lower(field: FieldInfo) -> tuple[float, bool] | None:
+    """The field's lower bound and whether the bound itself is admitted."""
+    for c in field.metadata:
+        if isinstance(c, annotated_types.Ge):
+            return float(c.ge), True  # type: ignore[arg-type]
+        if isinstance(c, annotated_types.Gt):
+            return float(c.gt), False  # type: ignore[arg-type]
+    return None
+
+
+def _upper(field: FieldInfo) -> float | None:
+    return next((float(c.le) for c in field.metadata if isinstance(c, annotated_types.Le)), None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("section", sorted(_MIRRORED))
+def test_the_engine_config_reads_every_value_the_spec_admits(section: str) -> None:
+    """A FlashModel the API server admits must not yield an engine config the engine refuses."""
+    from flashmodel_engine import config
+    from flashmodel_operator.model import FlashModelSpec
+
+    spec_model = _section_model(FlashModelSpec.model_fields[section])
+    engine_model: type[BaseModel] = getattr(config, _MIRRORED[section])
+    spec_fields, engine_fields = _aliases(spec_model), _aliases(engine_model)
+    problems = [
+        f"{section}.{n}: in the spec, not in the engine config" for n in sorted(set(spec_fields) - set(engine_fields))
+    ]
+    problems += [
+        f"{section}.{n}: in the engine config, not in the spec"
+        for n in sorted(set(engine_fields) - set(spec_fields) - _ENGINE_ONLY.get(section, set()))
+    ]
+    for name in sorted(set(spec_fields) & set(engine_fields)):
+        ours, theirs = spec_fields[name], engine_fields[name]
+        mine, engine = field_shape(ours), field_shape(theirs)
+        if mine["type"] != engine["type"] and (mine["type"], engine["type"]) != ("integer", "number"):
+            problems.append(f"{section}.{name}: the spec's {mine['type']} is read as {engine['type']}")
+        admitted: list[Any] = mine.get("enum", [])
+        refused = set(admitted) - set(engine.get("enum", admitted))
+        if refused:
+            problems.append(f"{section}.{name}: the engine refuses {sorted(refused)}")
+        low, high = _lower(theirs), _upper(theirs)
+        spec_low, spec_high = _lower(ours), _upper(ours)
+        if low is not None and (spec_low is None or spec_low[0] < low[0] or (spec_low[0] == low[0] and not low[1])):
+            problems.append(f"{section}.{name}: the spec admits {spec_low}, the engine's lower bound is {low}")
+        if high is not None and (spec_high is None or spec_high > high):
+            problems.append(f"{section}.{name}: the spec admits {spec_high}, the engine's upper bound is {high}")
+        # The engine's own default applies where the operator leaves the key out; None there means
+        # "the accelerator profile decides", which the operator never leaves to it (checked below).
+        if engine.get("default") is not None and engine.get("default") != mine.get("default"):
+            problems.append(
+                f"{section}.{name}: default {mine.get('default')!r} in the spec, "
+                f"{engine.get('default')!r} in the engine config"
+            )
+    assert problems == []
+
+
+def _section_model(field: FieldInfo) -> type[BaseModel]:
+    _, annotation = _is_optional(field.annotation)
+    assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation
+
+
+@pytest.mark.parametrize("bound", ["default", "minimum", "maximum"])
+def test_a_spec_at_the_crd_bounds_reaches_the_engine_unchanged(bound: str) -> None:
+    """Every mirrored number at its CRD bound (or absent, for the defaults) arrives in the engine as set."""
+    from flashmodel_engine.config import EngineConfig
+    from flashmodel_operator.model import FlashModel
+    from flashmodel_operator.render import engine_config
+
+    spec_schema = schema()["properties"]["spec"]["properties"]
+    spec: dict[str, Any] = {"model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}, "accelerator": "cpu"}
+    for section in _MIRRORED:
+        if bound != "default":
+            numbers = {
+                name: node[bound]
+                for name, node in spec_schema[section]["properties"].items()
+                if node.get("type") in ("integer", "number") and bound in node
+            }
+            spec[section] = numbers
+    if bound != "default":
+        spec["observability"] = {"otlpTracesEndpoint": "http://otel:4317"}
+    body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}, "spec": spec}
+    fm = FlashModel.from_body(body)
+    parsed = EngineConfig.model_validate(engine_config(fm))
+    differences = []
+    for section in _MIRRORED:
+        ours = getattr(fm.spec, section)
+        if ours is None:
+            continue
+        theirs = getattr(parsed, section)
+        for name in type(ours).model_fields:
+            if name == "image":  # the pod's image, not a setting the engine reads
+                continue
+            if getattr(ours, name) is not None and getattr(theirs, name) != getattr(ours, name):
+                differences.append(f"{section}.{name}: {getattr(ours, name)!r} set, {getattr(theirs, name)!r} read")
+    assert differences == []
