@@ -309,16 +309,16 @@ def _requests(res: list[loadgen.RequestResult]) -> list[dict[str, Any]]:
 
 
 GPU_TRIAL_S = 12.0
-"""Seconds of arrivals per search trial on the GPU. H200 runs 6-8 (2026-12-03): with 3 s trials
+"""Seconds of arrivals per search trial on the GPU. Measured on an H200 (2026-12-03): with 3 s trials
 the search passed rates the server could not hold (t4-1.5b: 192 req/s passed in 3 s, then 40 s
 at 192 gave TTFT p99 16.5 s at 142 req/s achieved; with 12 s trials its maximum was 96)."""
 GPU_RATE_START = 32.0
-"""Every GPU case passed 32 req/s in runs 1-8; starting there keeps 12 s trials within budget."""
+"""Every GPU case measured on the H200 passed 32 req/s; starting there keeps 12 s trials within budget."""
 GPU_OVERLOAD_TTFT_MS = 2000.0
 """A failing GPU trial past this TTFT p99 with under 85 % of its rate delivered is not retried
-(loadgen.SearchSettings.overload_ttft_ms). Runs 17-18 retried every failure: 12 first attempts
-fit this rule and all 12 failed their retry too; the 4 that passed on the retry had failed with
-TTFT p99 354-971 ms (run 17 t4-7b, tile and launcher at 128; run 18 t4-0.5b at 144). From run 19."""
+(loadgen.SearchSettings.overload_ttft_ms). With every failure retried (H200, 2026-12-03), the 12
+first attempts that fit this rule all failed their retry too; the 4 that passed on the retry had
+failed with TTFT p99 354-971 ms (t4-7b, tile and launcher at 128; t4-0.5b at 144)."""
 GPU_SEARCH_S = 110.0
 """Doubling 32..256 and two bisections at 12 s a trial, one retry included."""
 
@@ -477,7 +477,7 @@ def fresh_caches(work: Path, case_name: str) -> dict[str, str]:
     # One thing is carried over: what vLLM's model registry learnt about the model class (static
     # facts read from its source, not compiled code). Without it every API server inspects the class
     # in a subprocess that imports vLLM again: 10.6 s on the CPU machine, about 20 s of each case's
-    # start-up on the H200 host (run 18), the same for every case. An image can bake this folder in.
+    # start-up on the H200 host, the same for every case. An image can bake this folder in.
     # The engine launcher seeds a new pod's cache the same way (flashmodel_engine/modelinfos.py).
     env = {"TRITON_CACHE_DIR": str(root / "triton"), "VLLM_CACHE_ROOT": str(root / "vllm")}
     seed_modelinfos(env | {SEED_ENV: str(work / SUBDIR)})
@@ -821,7 +821,7 @@ def plan(smoke: bool, tile: bool, shim: bool) -> list[Case]:
         return cases
     # Priority order: the budget may end the list early (a later call can run the rest with --only).
     # Estimates are the H200's: start-up (defaults compile and capture CUDA graphs) + measurement;
-    # with 12 s trials the t4 and tile cases took 225-248 s (runs 9-11), defaults-0.5b 244 s.
+    # with 12 s trials the t4 and tile cases take 225-248 s, defaults-0.5b 244 s.
     cases = [
         Case("t4-1.5b", "1.5b", "vllm", T4_ARGS, 245, search_s=GPU_SEARCH_S, extras=True),
         Case("defaults-1.5b", "1.5b", "vllm", [], 250, search_s=GPU_SEARCH_S),

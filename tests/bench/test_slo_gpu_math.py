@@ -166,7 +166,7 @@ def test_longer_trials_hold_their_rate_for_their_whole_length(tmp_path: Path) ->
     assert (default.trial_seconds, default.rate_start) == (12.0, 32.0)
     # At 192 req/s a 12 s trial sends 2304 requests: the cap must not cut it back to 3 s worth.
     assert loadgen.trial_requests(192.0, default) == 2304
-    env.trial_s, env.rate_start = 3.0, 8.0  # runs 1-7's trials
+    env.trial_s, env.rate_start = 3.0, 8.0  # short trials, as --trial-s and --rate-start set them
     short = slo_gpu.search_settings(case, env)
     assert (short.trial_seconds, short.rate_start) == (3.0, 8.0)
     assert loadgen.trial_requests(192.0, short) == 576
@@ -198,7 +198,7 @@ def test_hold_rps_without_sustain_s_is_refused(
 
 
 def test_ratios_pair_each_case_with_its_baseline_and_bracket_the_ratio() -> None:
-    # Run 8's pair: t4 passed 96 and failed 112, defaults passed 128 and failed 256.
+    # A measured pair (H200): t4 passed 96 and failed 112, defaults passed 128 and failed 256.
     rows: list[dict[str, Any]] = [
         {
             "case": "t4-1.5b",
