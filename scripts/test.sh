@@ -27,6 +27,7 @@ testbin_pid=$!
 bash scripts/setup-engine.sh
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   "kopf>=1.37" "kubernetes>=37" "jinja2>=3.1" "pyyaml>=6" "prometheus-client>=0.20" \
+  "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp>=1.20" \
   "pytest>=8" "pytest-asyncio>=0.23" "ruff>=0.6" "mypy>=1.10" types-PyYAML
 if ! wait "$testbin_pid"; then
   cat "$CACHE.testbin.log" >&2

@@ -19,6 +19,7 @@ from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, forget_model, reconcile, referenced_secrets
+from flashmodel_operator.tracing import traced
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _reconcile_latest(namespace: str | None, name: str) -> None:
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     try:
-        outcome = reconcile(cluster(), body)
+        outcome = traced(reconcile)(cluster(), body)
     except ApiException as exc:
         if namespace_terminating(exc):
             # The namespace is being deleted with the model in it; retrying would only repeat the 403.

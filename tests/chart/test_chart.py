@@ -596,3 +596,16 @@ def test_operator_gets_the_prometheus_address_and_the_t4_node_selector() -> None
     )["env"]
     selector = next(e["value"] for e in gke if e["name"] == "FLASHMODEL_T4_NODE_SELECTOR")
     assert json.loads(selector) == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}
+
+
+def test_operator_tracing_env_comes_from_the_tracing_values() -> None:
+    assert not [e for e in container(render())["env"] if e["name"].startswith("OTEL_")]
+    url = "http://otel-collector.monitoring:4318/v1/traces"
+    env = container(render(f"tracing.otlpTracesEndpoint={url}", "tracing.otlpTracesProtocol=http/protobuf"))["env"]
+    assert {"name": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "value": url} in env
+    assert {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"} in env
+    args = ["template", "fm", str(CHART), "--kube-version", KUBE_VERSION]
+    for bad in ("tracing.otlpTracesProtocol=http/json", "tracing.otlpTracesEndpoint=otel-collector:4317",
+                "tracing.otlpTracesEndpoint=http://user:pw@otel-collector:4317"):
+        proc = helm(*args, "--set", "tracing.otlpTracesEndpoint=http://otel-collector:4317", "--set", bad, check=False)
+        assert proc.returncode != 0 and "tracing" in proc.stderr, bad
