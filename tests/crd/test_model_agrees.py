@@ -8,14 +8,16 @@ together and name every field whose name, type, default, enum, bounds or require
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import pytest
+import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from tests.crd.test_schema import schema
+from tests.crd.test_schema import EXAMPLES, schema
 
 # What a pydantic field says about the values it accepts, in the CRD's vocabulary.
 Shape = dict[str, Any]
@@ -190,7 +192,30 @@ def test_the_operator_model_and_the_crd_spec_agree_field_by_field() -> None:
 
     spec = schema()["properties"]["spec"]
     problems = compare(FlashModelSpec, spec, "spec")
-    assert problems == [], "the CRD and operator/flashmodel_operator/model.py disagree:\n" + "\n".join(problems)
+    assert problems == [], (
+        "crds/flashmodel.yaml and operator/flashmodel_operator/model.py disagree; change both (the CRD is the "
+        "contract the API server enforces, model.py parses what it admitted), then copy the CRD to "
+        "charts/flashmodel-operator/files/crds/:\n" + "\n".join(problems)
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_parses_as_the_operator_reads_it(path: Path) -> None:
+    from flashmodel_operator.model import FlashModel
+
+    doc = yaml.safe_load(path.read_text())
+    body = {**doc, "metadata": {**doc["metadata"], "namespace": "default", "uid": "u"}}
+    assert FlashModel.from_body(body).spec.model_dump(by_alias=True, exclude_unset=True) == doc["spec"]
+
+
+def test_the_accelerators_agree_in_the_crd_the_operator_and_the_engine() -> None:
+    from flashmodel_engine.config import Accelerator, EngineConfig
+    from flashmodel_operator.model import FlashModelSpec
+
+    crd = schema()["properties"]["spec"]["properties"]["accelerator"]
+    ours = field_shape(FlashModelSpec.model_fields["accelerator"])
+    assert list(get_args(Accelerator)) == ours["enum"] == crd["enum"]
+    assert field_shape(EngineConfig.model_fields["accelerator"])["default"] == ours["default"] == crd["default"]
 
 
 def test_the_comparison_names_each_kind_of_drift() -> None:
