@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from flashmodel_engine.config import ConfigError, EngineConfig, load_config
-from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
+from flashmodel_engine.contract import CONFIG_FILE, PREFLIGHT_EXIT_CODE
 from flashmodel_engine.launcher import write_termination_message
 
 log = logging.getLogger("flashmodel")
@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashmodel_engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="preflight, then run vLLM and the health shim")
-    p.add_argument("--config", default="/etc/flashmodel/engine.yaml")
+    p.add_argument("--config", default=CONFIG_FILE)
     p.add_argument("--no-prewarm-on-start", dest="prewarm_on_start", action="store_false",
                    help="leave prewarm to POST /prewarm (the operator's call) instead of running it at start")
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("preflight", help="check model files and settings without starting vLLM")
-    p.add_argument("--config", default="/etc/flashmodel/engine.yaml")
+    p.add_argument("--config", default=CONFIG_FILE)
     p.add_argument("--model-dir", default=None, help="model directory (default: model.path of the config)")
     p.set_defaults(func=cmd_preflight)
     p = sub.add_parser("prewarm", help="run prewarm against a vLLM OpenAI server and print the result JSON")

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from flashmodel_engine.contract import ENGINE_PORT, SHIM_PORT
 from flashmodel_engine.quantization import Quantization
 
 Accelerator = Literal["t4", "cpu"]
@@ -138,8 +139,8 @@ class ServerSettings(_Strict):
     """Where the engine and the shim listen."""
 
     host: str = Field(default="0.0.0.0", description="Bind address of both the engine and the shim.")
-    engine_port: int = Field(default=8000, ge=1, le=65535, description="vLLM's OpenAI server port.")
-    shim_port: int = Field(default=8081, ge=1, le=65535, description="The health shim's port (probes).")
+    engine_port: int = Field(default=ENGINE_PORT, ge=1, le=65535, description="vLLM's OpenAI server port.")
+    shim_port: int = Field(default=SHIM_PORT, ge=1, le=65535, description="The health shim's port (probes).")
     drain_timeout_seconds: float = Field(
         default=25, ge=0,
         description="On SIGTERM, wait this long for in-flight requests; keep below terminationGracePeriod.",

@@ -13,6 +13,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashmodel_engine.config import RemediationSettings
+from flashmodel_engine.contract import (
+    ENGINE_GENERATION,
+    KV_CACHE_USAGE,
+    MEMORY_DIVERGENCE_RATIO,
+    MEMORY_DIVERGENCE_REASON,
+    PREWARM_SUCCEEDED,
+    REMEDIATION_REASON_LABEL,
+    REMEDIATION_RECOMMENDED,
+    REQUESTS_FINISHED,
+    REQUESTS_PER_SECOND,
+    REQUESTS_WAITING,
+)
 
 log = logging.getLogger("flashmodel.metrics")
 
@@ -190,30 +202,30 @@ class EngineMetrics:
 
     def __init__(self, settings: RemediationSettings) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests_per_second = Gauge("flashmodel_requests_per_second",
+        self.requests_per_second = Gauge(REQUESTS_PER_SECOND,
                                          "Client requests finished per second (30 s window).", registry=r)
         # A counter for PromQL's rate() (what the autoscaler's queries use); the gauge above is the
         # same rate over the shim's own window, for an HPA on Pods metrics through an adapter.
-        self.requests_finished = Counter("flashmodel_requests_finished",
+        self.requests_finished = Counter(REQUESTS_FINISHED,
                                          "Client requests vLLM finished (the shim's probes and prewarm excluded).",
                                          registry=r)
-        self.requests_waiting = Gauge("flashmodel_requests_waiting", "Requests waiting in vLLM's queue.",
+        self.requests_waiting = Gauge(REQUESTS_WAITING, "Requests waiting in vLLM's queue.",
                                       registry=r)
-        self.kv_cache_usage = Gauge("flashmodel_kv_cache_usage_ratio",
+        self.kv_cache_usage = Gauge(KV_CACHE_USAGE,
                                     "vLLM KV-cache usage, 0..1 (either vLLM metric name).", registry=r)
-        self.divergence_ratio = Gauge("flashmodel_memory_divergence_ratio",
+        self.divergence_ratio = Gauge(MEMORY_DIVERGENCE_RATIO,
                                       "Memory above the post-prewarm baseline, as a fraction of total.",
                                       registry=r)
-        self.remediation = Gauge("flashmodel_remediation_recommended",
-                                 "1 when the pod should be drained and replaced, by reason.", ["reason"],
-                                 registry=r)
-        self.prewarm_succeeded = Gauge("flashmodel_prewarm_succeeded", "1 after a successful prewarm.",
+        self.remediation = Gauge(REMEDIATION_RECOMMENDED,
+                                 "1 when the pod should be drained and replaced, by reason.",
+                                 [REMEDIATION_REASON_LABEL], registry=r)
+        self.prewarm_succeeded = Gauge(PREWARM_SUCCEEDED, "1 after a successful prewarm.",
                                        registry=r)
         self.prewarm_duration = Gauge("flashmodel_prewarm_duration_seconds", "Last prewarm's duration.",
                                       registry=r)
         self.prewarm_ttft = Gauge("flashmodel_prewarm_ttft_seconds", "Last prewarm's TTFT, cold and warm.",
                                   ["phase"], registry=r)
-        self.generation = Gauge("flashmodel_engine_generation",
+        self.generation = Gauge(ENGINE_GENERATION,
                                 "Starts of the vLLM process in this pod (re-arm readiness when it moves).",
                                 registry=r)
         self.engine_up = Gauge("flashmodel_engine_up", "1 while vLLM's /health answers 200.", registry=r)
@@ -231,8 +243,8 @@ class EngineMetrics:
         self.startup_seconds = Gauge("flashmodel_startup_seconds",
                                      "Start-up time by phase: launcher, engine_load, prewarm.", ["phase"],
                                      registry=r)
-        for reason in ("memory_divergence", "hung_readiness"):
-            self.remediation.labels(reason=reason).set(0)
+        for reason in (MEMORY_DIVERGENCE_REASON, "hung_readiness"):
+            self.remediation.labels(reason).set(0)
         self.prewarm_succeeded.set(0)
         self.divergence = DivergenceTracker(settings)
         self._success: deque[tuple[float, float]] = deque()
@@ -269,7 +281,7 @@ class EngineMetrics:
         self.memory_pinned.set(memory.pinned_bytes)
         recommended = self.divergence.observe(now, memory, engine)
         self.divergence_ratio.set(self.divergence.ratio)
-        self.remediation.labels(reason="memory_divergence").set(1 if recommended else 0)
+        self.remediation.labels(MEMORY_DIVERGENCE_REASON).set(1 if recommended else 0)
 
     def set_baseline(self, used_bytes: int) -> None:
         self.divergence.set_baseline(used_bytes)

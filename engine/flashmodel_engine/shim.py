@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.contract import LIVENESS_PATH, METRICS_PATH, PREWARM_PATH, READINESS_PATH, STARTUP_PATH
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
 from flashmodel_engine.profiles import resolve
@@ -112,12 +113,12 @@ class EngineShim:
     def app(self) -> web.Application:
         app = web.Application()
         app.add_routes([
-            web.get("/livez", self.handle_livez),
-            web.get("/readyz", self.handle_readyz),
-            web.get("/startupz", self.handle_startupz),
-            web.post("/prewarm", self.handle_prewarm_post),
-            web.get("/prewarm", self.handle_prewarm_get),
-            web.get("/metrics", self.handle_metrics),
+            web.get(LIVENESS_PATH, self.handle_livez),
+            web.get(READINESS_PATH, self.handle_readyz),
+            web.get(STARTUP_PATH, self.handle_startupz),
+            web.post(PREWARM_PATH, self.handle_prewarm_post),
+            web.get(PREWARM_PATH, self.handle_prewarm_get),
+            web.get(METRICS_PATH, self.handle_metrics),
         ])
         return app
 

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from flashmodel_engine.contract import KV_CACHE_USAGE, REQUESTS_FINISHED, REQUESTS_PER_SECOND, REQUESTS_WAITING
+
 from flashmodel_operator import GROUP, KIND, VERSION
 from flashmodel_operator.model import AutoscalingSpec, FlashModel
 
@@ -21,9 +23,8 @@ AUTOSCALING = "Autoscaling"
 """The status condition that carries the HPA's state."""
 
 # Client requests, not the shim's probes and warm-ups (the engine pod subtracts its own).
-REQUESTS_FINISHED = "flashmodel_requests_finished_total"
+REQUESTS_FINISHED_TOTAL = f"{REQUESTS_FINISHED}_total"
 QUEUE_DEPTH = "vllm:num_requests_waiting"
-KV_CACHE_USAGE = "flashmodel_kv_cache_usage_ratio"
 TTFT_BUCKETS = "vllm:time_to_first_token_seconds_bucket"
 
 
@@ -62,7 +63,7 @@ def targets(fm: FlashModel, scaling: AutoscalingSpec) -> list[Target]:
     out = [
         Target(
             "requests-per-second",
-            f"sum(rate({REQUESTS_FINISHED}{sel}[{window}])) or vector(0)",
+            f"sum(rate({REQUESTS_FINISHED_TOTAL}{sel}[{window}])) or vector(0)",
             scaling.target_requests_per_second,
             "AverageValue",
         )
@@ -141,9 +142,9 @@ def _quantity(value: float) -> str:
 # The HPA scaler reads Pods metrics through a custom-metrics adapter (prometheus-adapter rules in
 # docs/autoscaling.md): per-pod series under these names.
 _POD_METRICS = {
-    "requests-per-second": "flashmodel_requests_per_second",
-    "queue-depth": "flashmodel_requests_waiting",
-    "kv-cache-usage": "flashmodel_kv_cache_usage_ratio",
+    "requests-per-second": REQUESTS_PER_SECOND,
+    "queue-depth": REQUESTS_WAITING,
+    "kv-cache-usage": KV_CACHE_USAGE,
 }
 
 

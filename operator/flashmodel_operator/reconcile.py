@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
+from flashmodel_engine.contract import ENGINE_PORT, PREFLIGHT_EXIT_CODE
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import Gauge
 from pydantic import ValidationError
@@ -26,7 +26,6 @@ from flashmodel_operator.gating import gate_is_true
 from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
-    ENGINE_PORT,
     control_secret_name,
     engine_config,
     pod_template_problems,

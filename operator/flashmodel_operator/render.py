@@ -9,18 +9,24 @@ import math
 from typing import Any
 
 import yaml
+from flashmodel_engine.contract import (
+    CONFIG_DIR,
+    CONFIG_FILE,
+    CONFIG_KEY,
+    ENGINE_PORT,
+    LIVENESS_PATH,
+    READINESS_PATH,
+    SHIM_PORT,
+    STARTUP_PATH,
+)
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.profiles import pod_profile
 
-ENGINE_PORT = 8000
-SHIM_PORT = 8081
 PRE_STOP_SLEEP_SECONDS = 5
 """Endpoint removal reaches kube-proxy and load balancers within a few seconds."""
-CONFIG_DIR = "/etc/flashmodel"
-CONFIG_FILE = f"{CONFIG_DIR}/engine.yaml"
 AUTH_DIR = f"{CONFIG_DIR}/auth"
 CONTROL_DIR = f"{CONFIG_DIR}/control"
 CONTROL_TOKEN_KEY = "token"
@@ -146,7 +152,7 @@ def render_configmap(fm: FlashModel) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(fm, f"{fm.name}-engine"),
-        "data": {"engine.yaml": engine_config_yaml(fm)},
+        "data": {CONFIG_KEY: engine_config_yaml(fm)},
     }
 
 
@@ -249,9 +255,9 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         "resources": resources,
         "volumeMounts": mounts,
         # Loading weights takes minutes; liveness and readiness wait until startup succeeded.
-        "startupProbe": _probe("/startupz", 10, 5, max(1, math.ceil(health.startup_timeout_seconds / 10))),
-        "livenessProbe": _probe("/livez", 10, 5, 3),
-        "readinessProbe": _probe("/readyz", 5, math.ceil(health.readiness_deadline_seconds) + 1, 2),
+        "startupProbe": _probe(STARTUP_PATH, 10, 5, max(1, math.ceil(health.startup_timeout_seconds / 10))),
+        "livenessProbe": _probe(LIVENESS_PATH, 10, 5, 3),
+        "readinessProbe": _probe(READINESS_PATH, 5, math.ceil(health.readiness_deadline_seconds) + 1, 2),
         # A pod being deleted (a scale-down, a rollout) leaves the Service's endpoints while it still
         # accepts: SIGTERM, which closes vLLM's listener, comes only after clients have stopped
         # picking it, so no request is sent to a closed port; in-flight ones then drain.
@@ -294,7 +300,7 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
     if spec.affinity:
         pod_spec["affinity"] = copy.deepcopy(spec.affinity)
 
-    config_hash = content_hash({"engine.yaml": engine_config_yaml(fm)})
+    config_hash = content_hash({CONFIG_KEY: engine_config_yaml(fm)})
     return {
         "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
         "spec": pod_spec,

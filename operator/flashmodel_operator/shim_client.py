@@ -7,9 +7,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from flashmodel_engine.contract import (
+    ENGINE_GENERATION,
+    LIVENESS_PATH,
+    MEMORY_DIVERGENCE_RATIO,
+    MEMORY_DIVERGENCE_REASON,
+    METRICS_PATH,
+    PREWARM_PATH,
+    PREWARM_SUCCEEDED,
+    READINESS_PATH,
+    REMEDIATION_REASON_LABEL,
+    REMEDIATION_RECOMMENDED,
+    SHIM_PORT,
+    STARTUP_PATH,
+)
 from prometheus_client.parser import text_string_to_metric_families
-
-from flashmodel_operator.render import SHIM_PORT
 
 
 @dataclass(frozen=True)
@@ -29,25 +41,26 @@ def parse_metrics(text: str) -> EngineMetrics:
     recommended = False
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "flashmodel_remediation_recommended" and sample.value >= 1:
-                recommended = recommended or sample.labels.get("reason", "memory_divergence") == "memory_divergence"
+            if sample.name == REMEDIATION_RECOMMENDED and sample.value >= 1:
+                reason = sample.labels.get(REMEDIATION_REASON_LABEL, MEMORY_DIVERGENCE_REASON)
+                recommended = recommended or reason == MEMORY_DIVERGENCE_REASON
             elif sample.name.startswith("vllm:num_requests_"):
                 # One series per model name; a pod serves one model, summing is safe.
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
             else:
                 values.setdefault(sample.name, sample.value)
     return EngineMetrics(
-        generation=values.get("flashmodel_engine_generation", 0.0),
-        divergence_ratio=values.get("flashmodel_memory_divergence_ratio", 0.0),
+        generation=values.get(ENGINE_GENERATION, 0.0),
+        divergence_ratio=values.get(MEMORY_DIVERGENCE_RATIO, 0.0),
         divergence_recommended=recommended,
         requests_running=values.get("vllm:num_requests_running", 0.0),
         requests_waiting=values.get("vllm:num_requests_waiting", 0.0),
-        prewarm_succeeded=values.get("flashmodel_prewarm_succeeded", 0.0) >= 1,
+        prewarm_succeeded=values.get(PREWARM_SUCCEEDED, 0.0) >= 1,
     )
 
 
 class ShimClient:
-    """HTTP calls to one pod's shim at http://<pod IP>:8081."""
+    """HTTP calls to one pod's shim at http://<pod IP>:SHIM_PORT."""
 
     def __init__(
         self, session: aiohttp.ClientSession, pod_ip: str, port: int = SHIM_PORT, token: str | None = None
@@ -67,13 +80,13 @@ class ShimClient:
             return 0
 
     async def started(self) -> bool:
-        return await self._status("/startupz", 5) == 200
+        return await self._status(STARTUP_PATH, 5) == 200
 
     async def live(self) -> bool:
-        return await self._status("/livez", 5) == 200
+        return await self._status(LIVENESS_PATH, 5) == 200
 
     async def ready(self, timeout: float) -> bool:
-        return await self._status("/readyz", timeout) == 200
+        return await self._status(READINESS_PATH, timeout) == 200
 
     async def prewarm(self, requests: int, prompts: list[str], timeout: float) -> dict[str, Any]:
         """POST /prewarm; a transport failure is reported like a failed prewarm, never raised."""
@@ -82,7 +95,7 @@ class ShimClient:
             body["prompts"] = prompts
         try:
             async with self.session.post(
-                self.base + "/prewarm", json=body, headers=self.headers, timeout=aiohttp.ClientTimeout(total=timeout)
+                self.base + PREWARM_PATH, json=body, headers=self.headers, timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -99,7 +112,7 @@ class ShimClient:
 
     async def metrics(self) -> EngineMetrics | None:
         try:
-            async with self.session.get(self.base + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self.session.get(self.base + METRICS_PATH, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:
                     return None
                 return parse_metrics(await resp.text())

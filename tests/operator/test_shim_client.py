@@ -33,3 +33,18 @@ def test_only_memory_divergence_counts_as_divergence() -> None:
         '{reason="hung_readiness"} 0.0', '{reason="hung_readiness"} 1.0'
     )
     assert not parse_metrics(text).divergence_recommended
+
+
+def test_the_operator_reads_the_series_the_engine_writes() -> None:
+    # Both sides name these series through flashmodel_engine.contract; a rename on one side only
+    # would leave the operator reading zeros (no prewarm seen, no divergence, no restart).
+    from flashmodel_engine.config import RemediationSettings
+    from flashmodel_engine.metrics import EngineMetrics
+
+    engine = EngineMetrics(RemediationSettings())
+    engine.prewarm_succeeded.set(1)
+    engine.generation.set(3)
+    engine.divergence_ratio.set(0.4)
+    engine.remediation.labels("memory_divergence").set(1)
+    m = parse_metrics(engine.render(None).decode())
+    assert (m.prewarm_succeeded, m.generation, m.divergence_ratio, m.divergence_recommended) == (True, 3.0, 0.4, True)
