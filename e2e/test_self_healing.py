@@ -316,7 +316,7 @@ def test_hung_generations_are_remediated_one_back_off_apart(
     # Both pods' generation stops at once. A hung pod serves nobody, so neither waits for ready
     # pods (and the PodDisruptionBudget lets unhealthy pods go): only the back-off after the first
     # eviction stands between the two. Without it the second followed 15 s after the first (the
-    # mutation check in docs/benchmarks.md, run D).
+    # mutation check in docs/benchmarks/self-healing.md, run D).
     stopped = {name: _engine_cores(kubelet, name) for name in hung}
     for pids in stopped.values():
         for pid in pids:

@@ -11,7 +11,7 @@ from flashmodel_engine.vllm_flags import installed_vllm_version
 log = logging.getLogger("flashmodel.engine_version")
 
 # The engine leans on vLLM internals that move between minor releases: the OpenAI server's module
-# path (launcher.VLLM_MODULE), its option names (vllm_options.py is generated from one version's
+# path (engine_process.VLLM_MODULE), its option names (vllm_options.py is generated from one version's
 # parser and refuses flags it does not know), the `vllm:` metric names the shim reads
 # (metrics.py) and the quantization kernels' capabilities (quantization.py). The floor is the
 # engine image's vLLM (Dockerfile.engine, 0.26.0: the GPU benchmarks ran on it); the ceiling is

@@ -10,19 +10,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.contract import LIVENESS_PATH, METRICS_PATH, PREWARM_PATH, READINESS_PATH, STARTUP_PATH
+from flashmodel_engine.engine_process import EngineProcess
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
 from flashmodel_engine.profiles import resolve
-
-if TYPE_CHECKING:
-    from flashmodel_engine.launcher import EngineProcess
 
 log = logging.getLogger("flashmodel.shim")
 

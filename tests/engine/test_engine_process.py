@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from flashmodel_engine.config import EngineConfig
-from flashmodel_engine.launcher import EngineProcess
+from flashmodel_engine.engine_process import EngineProcess
 
 from tests.engine.conftest import engine_config
 

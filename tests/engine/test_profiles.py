@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from flashmodel_engine.config import ConfigError, EngineConfig, parse_config
-from flashmodel_engine.launcher import engine_command, engine_environment
+from flashmodel_engine.engine_process import engine_command, engine_environment
 from flashmodel_engine.profiles import ProfileError, vllm_args, vllm_env
 
 

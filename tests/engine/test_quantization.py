@@ -17,7 +17,7 @@ import pytest
 from flashmodel_engine import quantization as quant
 from flashmodel_engine.config import EngineConfig, parse_config
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
-from flashmodel_engine.launcher import engine_command
+from flashmodel_engine.engine_process import engine_command
 from flashmodel_engine.preflight import (
     GIB,
     DeviceInfo,
@@ -295,7 +295,7 @@ def test_the_checkpoint_reader_maps_modelopt_algorithms() -> None:
 # --- the launcher ---
 
 def test_the_engine_process_runs_the_method_the_preflight_read(tiny: dict[str, Path]) -> None:
-    from flashmodel_engine.launcher import EngineProcess
+    from flashmodel_engine.engine_process import EngineProcess
 
     cfg = config(path=str(tiny["gptq"]))
     report = run_preflight(cfg, device=T4, raise_nofile=False)
