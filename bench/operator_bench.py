@@ -2,9 +2,9 @@
 
     python bench/operator_bench.py [--latency-objects 100] [--burst-objects 300] [--json out.json]
 
-Starts its own control plane (e2e/cluster.py) with enough fake T4 nodes, runs the operator as a
+Starts its own control plane (e2e/harness/cluster.py) with enough fake T4 nodes, runs the operator as a
 process (`python -m flashmodel_operator`), creates FlashModels through the API and watches for
-their children. Prints a Markdown table for docs/benchmarks.md.
+their children. Prints a Markdown table for docs/benchmarks/operator.md.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "engine")]
 
-import e2e.cluster  # noqa: E402
-from e2e.cluster import ControlPlane, free_ports, testbin_dir  # noqa: E402
-from e2e.operator_run import running_operator  # noqa: E402
+import e2e.harness.cluster  # noqa: E402
+from e2e.harness.cluster import ControlPlane, free_ports, testbin_dir  # noqa: E402
+from e2e.harness.operator_run import running_operator  # noqa: E402
 
 GROUP, VERSION, PLURAL = "serving.flashmodel.io", "v1alpha1", "flashmodels"
 CHILD_KINDS = ("deployments", "services", "configmaps", "poddisruptionbudgets")
@@ -201,7 +201,7 @@ def main() -> int:
     # Every FlashModel gets a ClusterIP Service: the e2e default /24 holds only 253 of them, and the
     # API server refuses the rest ("failed to allocate a serviceIP: range is full"). Real clusters
     # use a /16 or /12 (kubeadm: 10.96.0.0/12); 10.0.0.1, in the apiserver certificate, stays the first IP.
-    e2e.cluster.SERVICE_CIDR = "10.0.0.0/16"
+    e2e.harness.cluster.SERVICE_CIDR = "10.0.0.0/16"
     with tempfile.TemporaryDirectory() as tmp, ControlPlane(testbin_dir(build=True)) as cp:
         total = args.latency_objects + args.burst_objects
         cp.add_t4_nodes(max(1, total // 8 + 2), gpus=8, kwok_taint=False, gpu_taint=True)

@@ -160,7 +160,7 @@ QUANT_KERNELS = {"marlin": "marlin", "machete": "", "triton": "triton", "exllama
 # One KV cache for every case of the quantization plan, so a case's speed is its weights' and
 # kernel's, not its cache's; 3 GiB holds 213 sequences of 264 tokens at 7B (56 KiB a token), more
 # than the rates reached need, and lets the twelve servers start together on one H200. The T4
-# envelope would leave INT4 checkpoints a larger cache (docs/benchmarks.md has the numbers).
+# envelope would leave INT4 checkpoints a larger cache (docs/benchmarks/quantization.md has the numbers).
 QUANT_KV_BYTES = 3 * GIB
 
 

@@ -735,7 +735,7 @@ class SearchSettings:
     # stream stalled for 0.7-1.3 s in the first trial only, and the search, which never goes back
     # above a failure, reported 7 req/s for engine flags that passed 8-96 req/s once warm. So: one
     # pass at rate_start before the first trial, recorded apart, and a failing rate is run again
-    # before it counts (docs/benchmarks.md, "SLO benchmark").
+    # before it counts (docs/benchmarks/slo.md, "Cases and workload").
     warmup: bool = True
     retries_on_failure: int = 1
     # A failure that is plainly an overload is not run again: TTFT p99 above overload_ttft_ms while

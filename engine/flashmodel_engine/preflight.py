@@ -31,7 +31,7 @@ INT4_BYTES_PER_WEIGHT = 0.5 + 2.5 / 128
 SAFETENSORS_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 # The CUDA-graph pool holds the activations of the largest captured batch: measured 0.28 GiB for
 # a 1.5B shape (hidden 1536 + intermediate 8960) captured up to 256 sequences (H200, vLLM 0.26;
-# docs/benchmarks.md, "The t4 profile"). Scaled by batch and width for other shapes.
+# docs/benchmarks/goodput.md). Scaled by batch and width for other shapes.
 GRAPH_POOL_REFERENCE = (int(0.28 * GIB), 256, 1536 + 8960)
 
 

@@ -128,7 +128,7 @@ PROFILES: dict[str, AcceleratorProfile] = {
         attention_backends=("triton", "tile", "auto"),
         # CUDA graphs on: eager decode was 17-19x slower per token at one request and carried 5-7x
         # fewer requests at 8-32 (H200, vLLM 0.26, 1.5B); the graph pool is counted by vLLM's own
-        # memory profiler inside gpuMemoryUtilization (docs/benchmarks.md, "The t4 profile").
+        # memory profiler inside gpuMemoryUtilization (docs/benchmarks/goodput.md).
         default_enforce_eager=False,
     ),
     # vLLM's CPU attention accepts only block sizes that are multiples of 32 and head sizes >= 32.
