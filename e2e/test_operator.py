@@ -74,8 +74,16 @@ def test_examples_reconcile_into_scheduled_t4_pods(
                 ns,
                 f"--from-literal={ref.get('key', 'api-key')}=test-key",
             )
+        hub = (doc["spec"]["model"].get("hub") or {}) if doc["kind"] == "FlashModel" else {}
+        if hub.get("tokenSecretRef"):
+            token = hub["tokenSecretRef"]
+            literal = f"--from-literal={token.get('key', 'token')}=hf_test"
+            control_plane.kubectl("create", "secret", "generic", token["name"], "-n", ns, literal)
         if doc["kind"] == "FlashModel" and doc["spec"]["model"].get("pvc"):
             create_model_volume(control_plane, ns, doc["spec"]["model"]["pvc"]["claimName"])
+        if (hub.get("cache") or {}).get("pvc"):
+            # Pods with an unbound claim are never scheduled: the hub cache gets a bound volume too.
+            create_model_volume(control_plane, ns, hub["cache"]["pvc"]["claimName"])
         doc.setdefault("metadata", {}).pop("namespace", None)
         _apply(control_plane, ns, doc)
 

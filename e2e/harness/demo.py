@@ -276,7 +276,7 @@ def _serving(pods: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
 
 
 def apply_examples(cp: ControlPlane) -> list[str]:
-    """What examples/ refers to (API-key Secrets, model volumes), then examples/ itself; returns the model names."""
+    """What examples/ refers to (Secrets, model and hub-cache volumes), then examples/ itself; returns the names."""
     docs = [d for f in sorted((ROOT / "examples").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
     models = [d for d in docs if d.get("kind") == "FlashModel"]
     for doc in models:
@@ -285,8 +285,15 @@ def apply_examples(cp: ControlPlane) -> list[str]:
         if ref:
             cp.kubectl("create", "secret", "generic", ref["name"],
                        f"--from-literal={ref.get('key', 'api-key')}=demo-{secrets.token_hex(8)}", check=False)
-        claim = ((spec.get("model") or {}).get("pvc") or {}).get("claimName")
-        if claim:
+        hub = (spec.get("model") or {}).get("hub") or {}
+        token = hub.get("tokenSecretRef")
+        if token:
+            # kwok pods start no engine, so the token is never presented to the hub.
+            cp.kubectl("create", "secret", "generic", token["name"],
+                       f"--from-literal={token.get('key', 'token')}=hf_demo", check=False)
+        claims = [((spec.get("model") or {}).get("pvc") or {}).get("claimName"),
+                  ((hub.get("cache") or {}).get("pvc") or {}).get("claimName")]
+        for claim in filter(None, claims):
             # A static PV per claim: a real cluster has a storage class.
             create_model_volume(cp, "default", claim)
     cp.kubectl("apply", "-f", str(ROOT / "examples"))
