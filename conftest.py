@@ -1,30 +1,148 @@
-"""Root pytest fixtures: the real Kubernetes control plane from e2e/cluster.py, for tests marked e2e."""
+"""Root pytest set-up: the parts a test needs (control plane, engine venv) as fixtures, and the test tiers.
+
+A test's tier follows from the fixtures it uses (directly, through other fixtures, or through an
+autouse fixture of its folder) and from what its module imports, never from a list:
+
+  unit           neither part: runs in a light venv (the operator's deps) in a minute or two
+  control-plane  `testbin` (every cluster fixture builds on it): the real API server, helm, KEDA
+  engine         `engine_packages` or `engine_python`, or a module whose import reaches torch,
+                 Triton or vLLM: the engine venv (scripts/setup-engine.sh)
+  e2e            both: real engines behind the real control plane (self-healing, autoscaling, demo)
+
+`--tier NAME` (repeatable) runs only those tiers. A missing part skips the tests that need it,
+saying what to run; with FLASHMODEL_REQUIRE_ALL=1 (scripts/test.sh sets it for the full run) it
+fails them instead, so CI cannot pass green with a part absent.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from e2e.cluster import ControlPlane, testbin_dir
+from e2e.harness.cluster import ControlPlane, missing_binaries, testbin_dir
+from e2e.harness.kubelet import engine_python as engine_venv_python
+from tests.support.parts import missing_part
 
-E2E_FIXTURES = frozenset({"control_plane", "k8s_namespace"})
+TIERS = ("unit", "control-plane", "engine", "e2e")
+CONTROL_PLANE_FIXTURES = frozenset({"testbin"})
+ENGINE_FIXTURES = frozenset({"engine_packages", "engine_python"})
+ENGINE_PACKAGES = ("torch", "triton", "vllm")
+# Modules of this checkout, followed when looking for what a test module's import reaches.
+PROJECT_PACKAGES = frozenset({"flashmodel_operator", "flashmodel_engine", "flashmodel_kernels", "bench", "tests",
+                              "e2e"})
+# Hand-placed markers that say the same as the fixtures, for a test that starts a part itself.
+NEEDS_MARKERS = {"e2e": "control-plane", "vllm": "engine"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Marking by fixture use means `-m "not e2e"` can never start a control plane by accident.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", action="append", choices=TIERS, default=[],
+                     help="run only the tests of this tier (repeatable): " + ", ".join(TIERS))
+
+
+def _reaches_engine_packages(module: ModuleType, seen: set[str]) -> bool:
+    """Whether importing `module` imported torch, Triton or vLLM, following this checkout's modules."""
+    for value in vars(module).values():
+        try:
+            name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+        except Exception:  # an object whose attributes are computed (a proxy) names no module
+            continue
+        if not isinstance(name, str) or name in seen:
+            continue
+        seen.add(name)
+        top = name.partition(".")[0]
+        if top in ENGINE_PACKAGES:
+            return True
+        inner = sys.modules.get(name)
+        if top in PROJECT_PACKAGES and inner is not None and _reaches_engine_packages(inner, seen):
+            return True
+    return False
+
+
+def tier_of(item: pytest.Item) -> str:
+    names = set(getattr(item, "fixturenames", ()))
+    marked = {NEEDS_MARKERS[m.name] for m in item.iter_markers() if m.name in NEEDS_MARKERS}
+    control_plane = bool(CONTROL_PLANE_FIXTURES & names) or "control-plane" in marked
+    module = getattr(item, "module", None)
+    engine = (bool(ENGINE_FIXTURES & names) or "engine" in marked
+              or (module is not None and _reaches_engine_packages(module, set())))
+    if control_plane and engine:
+        return "e2e"
+    return "control-plane" if control_plane else "engine" if engine else "unit"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    # In the light venv of the unit tier a module that imports torch, Triton or vLLM cannot be
+    # imported at all; it belongs to the engine tier, so it is left out here rather than an error.
+    report: pytest.CollectReport = yield
+    if (report.failed and collector.config.getoption("tier") == ["unit"]
+            and isinstance(collector, pytest.Module | pytest.Package)):
+        text = str(report.longrepr)
+        for package in ENGINE_PACKAGES:
+            if f"No module named '{package}" in text:
+                report.outcome = "skipped"
+                report.longrepr = (str(collector.path), 0, f"engine tier: imports {package} (the engine venv)")
+                break
+    return report
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = set(config.getoption("tier"))
+    selected: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
     for item in items:
-        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.e2e)
+        tier = tier_of(item)
+        item.add_marker(pytest.mark.tier(tier))
+        # The marks let `-m "not control_plane"` keep a run free of any cluster.
+        if tier in ("control-plane", "e2e"):
+            item.add_marker(pytest.mark.control_plane)
+        if tier in ("engine", "e2e"):
+            item.add_marker(pytest.mark.engine)
+        (selected if not wanted or tier in wanted else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 @pytest.fixture(scope="session")
-def control_plane() -> Iterator[ControlPlane]:
-    """A started control plane with FLASHMODEL_E2E_T4_NODES (default 3) fake one-GPU T4 nodes."""
+def testbin() -> Path:
+    """The control-plane binaries (scripts/testbin.sh): built here where missing, unless FLASHMODEL_SKIP_E2E=1."""
     if os.environ.get("FLASHMODEL_SKIP_E2E") == "1":
-        pytest.skip("FLASHMODEL_SKIP_E2E=1 is set: the real control plane is not started")
-    with ControlPlane(testbin_dir(build=True)) as cp:
+        missing_part("FLASHMODEL_SKIP_E2E=1 is set: the real control plane is not started")
+    bin_dir = testbin_dir(build=True)
+    if missing := missing_binaries(bin_dir):
+        missing_part(f"the testbin at {bin_dir} lacks {', '.join(missing)}: run scripts/testbin.sh")
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def engine_packages() -> None:
+    """torch, Triton and vLLM importable in this interpreter: the test runs in the engine venv."""
+    absent = [p for p in ENGINE_PACKAGES if importlib.util.find_spec(p) is None]
+    if absent:
+        missing_part(f"{', '.join(absent)} not importable by {sys.executable}: run scripts/setup-engine.sh "
+                     f"and pytest with {engine_venv_python()}")
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> str:
+    """The engine venv's Python, for engines started as subprocesses (EngineKubelet, the demo, the SLO bench)."""
+    python = engine_venv_python()
+    if not Path(python).exists():
+        missing_part(f"no engine venv at {Path(python).parents[1]}: run scripts/setup-engine.sh")
+    return python
+
+
+@pytest.fixture(scope="session")
+def control_plane(testbin: Path) -> Iterator[ControlPlane]:
+    """A started control plane with FLASHMODEL_E2E_T4_NODES (default 3) fake one-GPU T4 nodes."""
+    with ControlPlane(testbin) as cp:
         cp.add_t4_nodes(int(os.environ.get("FLASHMODEL_E2E_T4_NODES", "3")))
         yield cp
 

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.cluster import ControlPlane, free_ports
-from e2e.fault_proxy import FaultProxy
-from e2e.kubelet import engine_python
-from e2e.operator_run import (
+from e2e.harness.cluster import ControlPlane, free_ports
+from e2e.harness.fault_proxy import FaultProxy
+from e2e.harness.operator_run import (
     chart_service_account,
     helm_install,
     running_operator,
@@ -25,14 +24,6 @@ REMEDIATION_BACKOFF_SECONDS = 30
 """The operator's back-off between remediations of one model in e2e (production: 60 s): long
 enough that a test can tell it from a drain's few seconds, short enough for a test's minutes."""
 RBAC_DENIAL = re.compile(r"forbidden: User .{0,200}? cannot ", re.IGNORECASE)
-
-
-def engine_python_or_skip() -> str:
-    """The engine venv's Python for EngineKubelet; the test skips, saying what to run, where it is missing."""
-    python = engine_python()
-    if not Path(python).exists():
-        pytest.skip(f"no engine venv at {Path(python).parents[1]}: run scripts/setup-engine.sh")
-    return python
 
 
 @pytest.fixture(scope="session")

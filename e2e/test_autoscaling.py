@@ -18,14 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.autoscaling import Keda, Prometheus
-from e2e.cluster import ControlPlane
-from e2e.conftest import engine_python_or_skip
-from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
-from e2e.load import Load
-from e2e.operator_run import get_json, wait_for
+from e2e.harness.autoscaling import Keda, Prometheus
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
+from e2e.harness.load import Load
+from e2e.harness.operator_run import get_json, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "charts" / "flashmodel-operator" / "files" / "dashboards" / "flashmodel-fleet.json"
@@ -84,6 +83,7 @@ def _model(ns: str, tiny_model: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def scaling(
+    engine_python: str,
     control_plane: ControlPlane,
     parts: tuple[Prometheus, Keda],
     tiny_model: Path,
@@ -91,7 +91,7 @@ def scaling(
 ) -> Iterator[tuple[str, EngineKubelet, Prometheus, Keda]]:
     ns = control_plane.create_namespace("scaling")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(control_plane, ns, work, python=engine_python_or_skip(), env=ENGINE_ENV) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=engine_python, env=ENGINE_ENV) as kubelet:
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(_model(ns, tiny_model)))
         yield ns, kubelet, *parts
         control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)

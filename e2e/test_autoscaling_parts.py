@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.autoscaling import Keda, Prometheus
-from e2e.cluster import KWOK_TOLERATION, ControlPlane, free_ports, wait_until
+from e2e.harness.autoscaling import Keda, Prometheus
+from e2e.harness.cluster import KWOK_TOLERATION, ControlPlane, free_ports, wait_until
 
 MODEL_LABEL = "serving.flashmodel.io/model"
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from e2e.cluster import (
+from e2e.harness.cluster import (
     KWOK_TOLERATION,
     POD_CIDR,
     T4_PRODUCT,

@@ -11,28 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from e2e.demo import MODEL, engine_log_tail
+from e2e.harness.demo import MODEL, engine_log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _skip_without_e2e() -> None:
-    if os.environ.get("FLASHMODEL_SKIP_E2E") == "1":
-        pytest.skip("FLASHMODEL_SKIP_E2E=1 is set: the real control plane is not started")
 
 
 def _demo(*args: str, timeout: float) -> tuple[int, str, float]:
     """Runs the driver the way scripts/demo.sh does (this interpreter, this checkout); (rc, output, seconds)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("operator", "engine", "kernels", "."))}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "e2e.demo", *args], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "e2e.harness.demo", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
-@pytest.mark.e2e
+@pytest.mark.usefixtures("testbin")
 def test_objects_only_shows_every_example_and_its_children() -> None:
-    _skip_without_e2e()
     rc, out, seconds = _demo("--objects-only", timeout=240)
     print(f"bench: demo --objects-only {seconds:.1f}s")
     assert rc == 0, out[-4000:]
@@ -53,15 +47,10 @@ def test_the_script_refuses_an_unknown_argument_and_says_what_it_takes() -> None
     assert "--objects-only" in proc.stderr and "--keep" in proc.stderr
 
 
-@pytest.mark.e2e
-@pytest.mark.vllm
 @pytest.mark.slow
-def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_request() -> None:
-    _skip_without_e2e()
-    engine = Path(os.environ.get("FLASHMODEL_ENGINE_VENV", Path.home() / ".cache/flashmodel/venv-engine"))
-    if not (engine / "bin" / "python").exists():
-        pytest.skip(f"no engine venv at {engine}: run scripts/setup-engine.sh")
-    rc, out, seconds = _demo("--engine-python", str(engine / "bin" / "python"), timeout=900)
+@pytest.mark.usefixtures("testbin")
+def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_request(engine_python: str) -> None:
+    rc, out, seconds = _demo("--engine-python", engine_python, timeout=900)
     print(f"bench: full demo {seconds:.1f}s")
     assert rc == 0, out[-6000:]
     # Act 1: the gate opened on both pods, the model is Ready 2/2, and the model answered.

@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 from flashmodel_operator.render import PREWARM_GATE
 
-from e2e.cluster import ControlPlane
-from e2e.operator_run import create_model_volume, get_json, wait_for
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.operator_run import create_model_volume, get_json, wait_for
 
 
 def _fm(name: str, spec: dict[str, Any]) -> str:

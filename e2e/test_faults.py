@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import ControlPlane
-from e2e.fault_proxy import FaultProxy
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.fault_proxy import FaultProxy
 
 MODELS = 30
 FAULT_RATE = 0.10

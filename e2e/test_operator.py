@@ -8,9 +8,9 @@ from typing import Any
 
 import yaml
 
-from e2e.autoscaling import install_keda_crds
-from e2e.cluster import ControlPlane
-from e2e.operator_run import create_model_volume, get_json, wait_for
+from e2e.harness.autoscaling import install_keda_crds
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.operator_run import create_model_volume, get_json, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,15 +15,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from e2e import cluster
-from e2e.cluster import ControlPlane
-from e2e.operator_run import ROOT, running_operator
-
-# No control_plane fixture here (conftest marks by it): a control plane of its own is e2e all the same.
-pytestmark = pytest.mark.e2e
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.operator_run import ROOT, running_operator
 
 MODELS = 50
 CHILD_KINDS = ("configmaps", "services", "deployments", "poddisruptionbudgets")
@@ -53,8 +48,11 @@ def _converged(cp: ControlPlane, ns: str) -> bool:
     )
 
 
-def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_orphan(tmp_path: Path) -> None:
-    with ControlPlane(cluster.testbin_dir(build=True)) as cp:
+def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_orphan(
+    tmp_path: Path, testbin: Path
+) -> None:
+    # A control plane of its own (not the session's): the operator is killed midway through its work.
+    with ControlPlane(testbin) as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
         cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io", "--timeout=60s")
         ns = cp.create_namespace("restart")

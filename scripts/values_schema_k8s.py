@@ -5,7 +5,7 @@ tolerations, affinity, extra env). Their schema is Kubernetes' own, taken from a
 OpenAPI v3 document for core/v1, so a value the API server would refuse fails `helm install`
 with a message that names the value instead of failing later on the Deployment.
 
-    python -m e2e.cluster up --dir /tmp/cp &   # or any cluster of the chart's target version
+    python -m e2e.harness.cluster up --dir /tmp/cp &   # or any cluster of the chart's target version
     KUBECONFIG=/tmp/cp/kubeconfig python scripts/values_schema_k8s.py
     python scripts/values_schema_k8s.py --openapi core-v1.json   # a saved /openapi/v3/api/v1
 

@@ -24,7 +24,7 @@ from typing import Any, Self
 
 import yaml
 
-from e2e.cluster import (
+from e2e.harness.cluster import (
     REPO_ROOT,
     TESTBIN_SCRIPT,
     Component,
@@ -36,7 +36,7 @@ from e2e.cluster import (
     wait_until,
 )
 
-log = logging.getLogger("flashmodel.e2e.autoscaling")
+log = logging.getLogger("flashmodel.e2e.harness.autoscaling")
 
 SCRAPE_CONFIG = REPO_ROOT / "charts" / "flashmodel-operator" / "files" / "prometheus-scrape-config.yaml"
 """The documented scrape config for engine pods; the test Prometheus runs exactly these jobs."""

@@ -32,9 +32,9 @@ import yaml
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
-log = logging.getLogger("flashmodel.e2e.cluster")
+log = logging.getLogger("flashmodel.e2e.harness.cluster")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTBIN_SCRIPT = REPO_ROOT / "scripts" / "testbin.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm")
 
@@ -505,7 +505,7 @@ class ControlPlane:
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
                 "--manage-nodes-with-label-selector=",
-                # Pods annotated so are left to the test (e2e/kubelet.py runs real engines for them).
+                # Pods annotated so are left to the test (e2e/harness/kubelet.py runs real engines for them).
                 "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
                 "--disregard-status-with-label-selector=",
                 f"--cidr={POD_CIDR}",
@@ -618,7 +618,7 @@ class ControlPlane:
         return ctx
 
     def _write_state(self) -> None:
-        # Lets `python -m e2e.cluster down --dir` find the processes of an `up` in another shell.
+        # Lets `python -m e2e.harness.cluster down --dir` find the processes of an `up` in another shell.
         state = {
             "owner_pid": os.getpid(),
             "server": self.server,
@@ -673,7 +673,7 @@ class ControlPlane:
     def delete_namespace(self, name: str, timeout: float = 120) -> None:
         """Deletes a namespace and waits until it is gone, so its pods no longer hold any node."""
         self.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
-        # Pods no kubelet runs (kwok told to leave them alone, none of e2e/kubelet.py's) would stay
+        # Pods no kubelet runs (kwok told to leave them alone, none of e2e/harness/kubelet.py's) would stay
         # Terminating for ever and hold the namespace; a real cluster's pod GC removes such pods.
         self.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", "--wait=false", check=False)
         wait_until(
@@ -808,7 +808,7 @@ def _up(workdir: Path, nodes: int, gpus: int, kwok_taint: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`up --dir DIR` runs a control plane in the foreground until SIGINT/SIGTERM; `down --dir DIR` ends it."""
-    parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m e2e.harness.cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up_p = sub.add_parser("up", help="start a control plane and stay in the foreground")
     up_p.add_argument("--dir", type=Path, required=True, help="working directory (PKI, etcd data, logs)")

@@ -1,11 +1,11 @@
 """The demo behind `bash scripts/demo.sh`: the operator's main job, shown on a real control plane with real engines.
 
-Act 0 (also `--objects-only`): a control plane (e2e/cluster.py), the CRD, the operator, the
+Act 0 (also `--objects-only`): a control plane (e2e/harness/cluster.py), the CRD, the operator, the
 examples/ FlashModels and the children the operator made for them. Their pods land on kwok
 nodes, which start no engine.
 
 Act 1: a FlashModel for a tiny random-weight model on the cpu profile, with an API key; each
-of its two pods runs the real launcher, health shim and vLLM for the CPU (e2e/kubelet.py). The
+of its two pods runs the real launcher, health shim and vLLM for the CPU (e2e/harness/kubelet.py). The
 prewarm gate opens, the model turns Ready with each pod's cold and warm TTFT, and a chat
 completion is asked of one of its Service's endpoints.
 
@@ -40,12 +40,12 @@ from typing import Any
 import yaml
 from flashmodel_operator.render import PREWARM_GATE
 
-from e2e.cluster import ControlPlane, ControlPlaneError, testbin_dir
-from e2e.kubelet import ENGINE_ENV, EngineKubelet, cpu_model, engine_python
-from e2e.load import Load
-from e2e.operator_run import create_model_volume, get_json, running_operator, scrape
+from e2e.harness.cluster import ControlPlane, ControlPlaneError, testbin_dir
+from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model, engine_python
+from e2e.harness.load import Load
+from e2e.harness.operator_run import create_model_volume, get_json, running_operator, scrape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 API_KEY_SECRET = "tiny-api-key"
 NODES = 3
@@ -578,7 +578,7 @@ def run(objects_only: bool, keep: bool, engine_python: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m e2e.harness.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--objects-only", action="store_true",
                         help="only act 0: the examples' objects, no vLLM (seconds)")

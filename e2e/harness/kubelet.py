@@ -34,11 +34,11 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster import KWOK_TOLERATION, ControlPlane
+from e2e.harness.cluster import KWOK_TOLERATION, ControlPlane
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUSTOM_STATUS = {"kwok.x-k8s.io/status": "custom"}
 # Pod n lives in 10.<X>.<n>.2/24 with the host end at .1; X is per kubelet process so that two
 # harnesses on one machine never hand out the same address.

@@ -12,8 +12,8 @@ from typing import Any
 from flashmodel_operator.remediation import GENERATION_HUNG, MEMORY_DIVERGENCE
 from flashmodel_operator.render import PREWARM_GATE
 
-from e2e.cluster import ControlPlane
-from e2e.operator_run import get_json
+from e2e.harness.cluster import ControlPlane
+from e2e.harness.operator_run import get_json
 
 
 @dataclass

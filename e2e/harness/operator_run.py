@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.cluster import ControlPlane
+from e2e.harness.cluster import ControlPlane
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "flashmodel"
 SYSTEM_NAMESPACE = "flashmodel-system"
 

@@ -29,6 +29,7 @@ import pytest
 
 from bench.slo import loadgen
 from bench.slo.loadgen import RunLimits, SearchSettings, ServerTokenizer, Target
+from tests.support.parts import missing_part
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -99,7 +100,7 @@ def vllm_url() -> Iterator[str]:
         return
     python = vllm_python()
     if python is None:
-        pytest.skip("no interpreter with vllm (set FLASHMODEL_ENGINE_VENV or run scripts/setup-engine.sh)")
+        missing_part("no interpreter with vllm: set FLASHMODEL_ENGINE_VENV or run scripts/setup-engine.sh")
     model = tiny_model(python)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

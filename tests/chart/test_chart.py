@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "flashmodel-operator"
 KUBE_VERSION = "1.34.3"
 
+# helm lint and template need the testbin's helm, so these run in the control-plane tier.
+pytestmark = pytest.mark.usefixtures("testbin")
+
 
 def _find_helm() -> str | None:
     """The control-plane build's helm (FLASHMODEL_TESTBIN, then the cache), else one on PATH."""
@@ -41,7 +44,7 @@ def helm_binary() -> str:
     if os.environ.get("FLASHMODEL_SKIP_E2E") == "1":
         pytest.skip("no helm binary and FLASHMODEL_SKIP_E2E=1: the testbin is not built")
     # A fresh machine: build the testbin (helm comes with it), as the control-plane fixture would.
-    from e2e.cluster import testbin_dir
+    from e2e.harness.cluster import testbin_dir
 
     return str(testbin_dir(build=True) / "helm")
 

@@ -7,12 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from e2e.cluster import ControlPlane
+from e2e.harness.cluster import ControlPlane
 from tests.chart.test_chart import CRD_GRANT, NAMESPACED_GRANTS
-
-pytestmark = pytest.mark.e2e
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "flashmodel-operator"
 

@@ -7,7 +7,6 @@ plane may already hold one applied by kubectl or owned by another test's release
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +16,7 @@ import pytest
 import yaml
 
 # Aliased: pytest collects any module-level function whose name starts with "test".
-from e2e.cluster import ControlPlane
-from e2e.cluster import testbin_dir as built_testbin
-
-pytestmark = pytest.mark.e2e
+from e2e.harness.cluster import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "flashmodel-operator"
@@ -32,10 +28,8 @@ NAMESPACE = "flashmodel-system"
 
 
 @pytest.fixture
-def own_control_plane() -> Iterator[ControlPlane]:
-    if os.environ.get("FLASHMODEL_SKIP_E2E") == "1":
-        pytest.skip("FLASHMODEL_SKIP_E2E=1 is set: the real control plane is not started")
-    with ControlPlane(built_testbin(build=True)) as cp:
+def own_control_plane(testbin: Path) -> Iterator[ControlPlane]:
+    with ControlPlane(testbin) as cp:
         yield cp
 
 

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import ControlPlane
-
-pytestmark = pytest.mark.e2e
+from e2e.harness.cluster import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}

@@ -26,12 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = float(os.environ.get("FLASHMODEL_TEST_STARTUP_TIMEOUT", "420"))
 
 
-def have_vllm() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

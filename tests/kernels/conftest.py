@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 
+@pytest.fixture(autouse=True)
+def _in_the_engine_venv(engine_packages: None) -> None:
+    """Every kernel test needs torch and Triton, so each runs in the engine tier (conftest.py)."""
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,7 @@ from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, reconcile, referenced_secrets
 from kubernetes.client.exceptions import ApiException
 
-from e2e.cluster import ControlPlane
+from e2e.harness.cluster import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 
