@@ -22,8 +22,8 @@ from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
-from flashmodel_operator.gating import gate_is_true
 from flashmodel_operator.model import FlashModel, FlashModelSpec
+from flashmodel_operator.pod_state import gate_is_true
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     control_secret_name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashmodel_operator.conditions import Observation, build_conditions
-from flashmodel_operator.gating import gate_is_true
+from flashmodel_operator.pod_state import gate_is_true
 from flashmodel_operator.render import PREWARM_GATE
 
 

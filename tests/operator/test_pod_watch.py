@@ -10,8 +10,11 @@ from typing import Any, Literal
 
 import aiohttp
 from flashmodel_operator.apply import Cluster
-from flashmodel_operator.gating import PREWARM_ATTEMPTS, REMEDIATIONS, PodWatch, history_length, restarts_last_hour
+from flashmodel_operator.eviction import REMEDIATIONS, evict_and_record
+from flashmodel_operator.gating import PodWatch
 from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.model_status import history_length, restarts_last_hour
+from flashmodel_operator.prewarm_gate import PREWARM_ATTEMPTS, prewarm
 from flashmodel_operator.remediation import Decision
 from flashmodel_operator.shim_client import ShimClient
 
@@ -92,7 +95,7 @@ async def test_an_eviction_is_recorded_even_when_the_pods_daemon_is_cancelled() 
     before = REMEDIATIONS.labels(reason="GenerationHung")._value.get()
     async with aiohttp.ClientSession() as session:
         watch = PodWatch(cluster, session, "ns-cancel", "qwen-abc", "qwen")
-        daemon = asyncio.create_task(watch.evict_and_record(fm, decision))
+        daemon = asyncio.create_task(evict_and_record(watch, fm, decision))
         await cluster.evicted.wait()
         daemon.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -168,7 +171,7 @@ async def test_a_recorded_eviction_keeps_the_whole_hour_the_budget_counts() -> N
     cluster = BudgetCluster(budget=20, history=_remediations(12), namespace="ns-history")
     async with aiohttp.ClientSession() as session:
         watch = PodWatch(cluster, session, "ns-history", "qwen-x", "qwen")
-        await watch.evict_and_record(cluster.fm, Decision("evict", "GenerationHung", "qwen-x", "hung"))
+        await evict_and_record(watch, cluster.fm, Decision("evict", "GenerationHung", "qwen-x", "hung"))
     assert len(cluster.fm["status"]["remediations"]) == 13
     assert restarts_last_hour(cluster.fm, dt.datetime.now(dt.UTC)) == 13
 
@@ -183,7 +186,7 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
         b = PodWatch(cluster, session, "ns-budget", "qwen-b", "qwen")
         for watch in (a, b):
             for _ in range(PREWARM_ATTEMPTS + 3):
-                delay = await watch.prewarm(pod, cluster.fm, spec, shim)
+                delay = await prewarm(watch, pod, cluster.fm, spec, shim)
                 assert delay is not None, "a pod was evicted past an exhausted restart budget"
     assert cluster.evictions == []
     assert shim.prewarms == 2 * PREWARM_ATTEMPTS  # once failed for good, a pod waits instead of prewarming
@@ -193,7 +196,7 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
     # With budget left, one pod goes, and the next waits for the back-off.
     cluster.fm["status"]["remediations"] = []
     async with aiohttp.ClientSession() as session:
-        first = await a.prewarm(pod, cluster.fm, spec, shim)
-        second = await b.prewarm(pod, cluster.fm, spec, shim)
+        first = await prewarm(a, pod, cluster.fm, spec, shim)
+        second = await prewarm(b, pod, cluster.fm, spec, shim)
     assert first is None and second is not None
     assert cluster.evictions == ["qwen-a"]

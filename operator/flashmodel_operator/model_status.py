@@ -1,0 +1,57 @@
+"""status.pods and status.remediations of a FlashModel: what the pod watches record, read and written here."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from typing import Any
+
+from flashmodel_operator.apply import Cluster
+from flashmodel_operator.pod_state import ModelState
+
+log = logging.getLogger(__name__)
+
+HISTORY = 10
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def history_length(fm: dict[str, Any]) -> int:
+    """How many status.remediations to keep: at least HISTORY, and all an hour's budget can hold."""
+    budget = ((fm.get("spec") or {}).get("remediation") or {}).get("maxRestartsPerHour", 0)
+    return max(HISTORY, int(budget) if isinstance(budget, int) else 0)
+
+
+def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
+    count = 0
+    for entry in (fm.get("status") or {}).get("remediations") or []:
+        try:
+            at = dt.datetime.strptime(entry["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+        except (KeyError, ValueError):
+            continue
+        if now - at < dt.timedelta(hours=1):
+            count += 1
+    return count
+
+
+def append_remediation(cluster: Cluster, namespace: str, model: str, fm: dict[str, Any], entry: dict[str, Any]) -> None:
+    """Add one eviction to status.remediations, on the latest status (the restart budget counts them)."""
+    latest = cluster.get_flashmodel(namespace, model) or fm
+    history = [*((latest.get("status") or {}).get("remediations") or []), entry][-history_length(latest) :]
+    cluster.patch_status(namespace, model, {"remediations": history})
+
+
+async def write_pod_records(cluster: Cluster, namespace: str, model: str, state: ModelState) -> None:
+    """status.pods from the watches' records, written only when they changed."""
+    async with state.lock:
+        pods = [record.to_status(name) for name, record in sorted(state.pods.items())]
+        if pods == state.written:
+            return
+        state.written = pods
+    try:
+        await asyncio.to_thread(cluster.patch_status, namespace, model, {"pods": pods})
+    except Exception as exc:  # the model may be gone; the next change writes again
+        log.info("event=pods-status-skipped model=%s/%s error=%s", namespace, model, exc)

@@ -1,0 +1,87 @@
+"""What the operator knows of each model's engine pods (in memory), and what it reads off a pod object."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashmodel_operator.conditions import READY
+from flashmodel_operator.remediation import PodHealth
+from flashmodel_operator.render import PREWARM_GATE
+
+POLL_SECONDS = float(os.environ.get("FLASHMODEL_MONITOR_SECONDS", "5"))
+"""How often each pod's watch looks at it."""
+
+
+@dataclass
+class PodRecord:
+    """status.pods[] of one pod: what its prewarm did."""
+
+    prewarmed: bool = False
+    cold_ttft_ms: float | None = None
+    warm_ttft_ms: float | None = None
+    last_prewarm_time: str | None = None
+    prewarm_failures: int = 0
+    reason: str | None = None
+
+    def to_status(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": name, "prewarmed": self.prewarmed, "prewarmFailures": self.prewarm_failures}
+        for key, value in (
+            ("coldTTFTMs", self.cold_ttft_ms),
+            ("warmTTFTMs", self.warm_ttft_ms),
+            ("lastPrewarmTime", self.last_prewarm_time),
+            ("reason", self.reason),
+        ):
+            if value is not None:
+                out[key] = value
+        return out
+
+
+@dataclass
+class ModelState:
+    """The operator's memory of one model's pods; the API server holds what must survive a restart."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    pods: dict[str, PodRecord] = field(default_factory=dict)
+    health: dict[str, PodHealth] = field(default_factory=dict)
+    in_flight: str | None = None
+    last_remediation: float | None = None
+    last_hold: str | None = None
+    written: list[dict[str, Any]] | None = None
+    control_token: str | None = None
+    """The model's `<name>-shim` token, which the shims require on POST /prewarm."""
+
+
+MODELS: dict[tuple[str, str], ModelState] = {}
+
+
+def model_state(namespace: str, model: str) -> ModelState:
+    return MODELS.setdefault((namespace, model), ModelState())
+
+
+PREWARMED_REASONS = frozenset({"PrewarmSucceeded", "PrewarmDisabled"})
+"""The gate reasons this operator writes when it opens the gate; anything else did not see our prewarm."""
+
+
+def gate_is_true(pod: dict[str, Any]) -> bool:
+    """The pod's readiness gate is open, and by this operator after a prewarm it saw succeed.
+
+    A gate set True by anyone else (kwok sets every readiness gate of the pods it runs) is no prewarm.
+    """
+    return any(
+        c.get("type") == PREWARM_GATE and c.get("status") == "True" and c.get("reason") in PREWARMED_REASONS
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition: its containers' probes and all its readiness gates pass."""
+    return any(
+        c.get("type") == READY and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def container_restarts(pod: dict[str, Any]) -> int:
+    return sum(int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or [])

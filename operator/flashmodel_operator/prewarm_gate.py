@@ -1,0 +1,122 @@
+"""Prewarm before traffic: warm one pod up through its shim, then open its readiness gate."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+
+from flashmodel_operator.eviction import decide, evict_and_record
+from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.model_status import now_iso
+from flashmodel_operator.pod_state import POLL_SECONDS, PodRecord, container_restarts
+from flashmodel_operator.remediation import PodHealth
+from flashmodel_operator.shim_client import ShimClient
+
+if TYPE_CHECKING:
+    from flashmodel_operator.gating import PodWatch
+
+log = logging.getLogger(__name__)
+
+PREWARM_ATTEMPTS = 3
+PREWARM_BACKOFF_SECONDS = 5.0
+PREWARMS = Counter("flashmodel_operator_prewarms_total", "Prewarm runs against engine pods", ["result"])
+# Every label value exported from the start at 0, so rate() and increase() see the first one.
+for _result in ("succeeded", "failed"):
+    PREWARMS.labels(result=_result)
+
+
+async def prewarm(
+    watch: PodWatch, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
+) -> float | None:
+    """One prewarm attempt on a pod whose gate is closed; the seconds until the next look, or None when replaced."""
+    if watch.state.in_flight == watch.name:
+        return POLL_SECONDS  # being drained: the gate stays off
+    if not await shim.started():
+        return 2.0  # still loading; the startup probe owns the deadline
+    record = watch.state.pods.setdefault(watch.name, PodRecord())
+    if not spec.prewarm.enabled:
+        await watch.set_gate(True, "PrewarmDisabled", "spec.prewarm.enabled is false")
+        record.prewarmed, record.reason = True, "PrewarmDisabled"
+        await watch.write_pods_status()
+        return POLL_SECONDS
+    if watch.prewarm_failure is not None:
+        return await replace_unprewarmed(watch, fm, spec)
+    started = time.monotonic()
+    result = await shim.prewarm(spec.prewarm.requests, spec.prewarm.prompts, spec.prewarm.timeout_seconds)
+    if result.get("ok"):
+        PREWARMS.labels(result="succeeded").inc()
+        cold, warm = float(result.get("coldTTFTMs", 0.0)), float(result.get("warmTTFTMs", 0.0))
+        metrics = await shim.metrics()
+        watch.generation_seen = metrics.generation if metrics else None
+        watch.restarts_seen = container_restarts(pod)
+        watch.attempts = 0
+        watch.divergent_since = watch.readyz_failing_since = None
+        msg = f"{result.get('requests')} warm-up requests, cold TTFT {cold:.0f} ms, warm TTFT {warm:.0f} ms"
+        await watch.set_gate(True, "PrewarmSucceeded", msg)
+        record.prewarmed, record.reason = True, None
+        record.cold_ttft_ms, record.warm_ttft_ms = round(cold, 1), round(warm, 1)
+        record.last_prewarm_time = now_iso()
+        await watch.api(watch.cluster.event, pod, "Normal", "Prewarmed", msg)
+        log.info(
+            "event=prewarmed model=%s/%s pod=%s cold_ms=%.1f warm_ms=%.1f seconds=%.1f",
+            watch.namespace,
+            watch.model,
+            watch.name,
+            cold,
+            warm,
+            time.monotonic() - started,
+        )
+        await watch.write_pods_status()
+        return POLL_SECONDS
+    PREWARMS.labels(result="failed").inc()
+    if result.get("status") == 401:
+        # A model deleted and made again under its name has a new token: read it again.
+        watch.state.control_token = None
+    watch.attempts += 1
+    record.prewarm_failures += 1
+    record.reason = "PrewarmFailed"
+    error = str(result.get("error") or "no reason given")
+    msg = f"prewarm attempt {watch.attempts}/{PREWARM_ATTEMPTS} failed: {error}"
+    await watch.api(watch.cluster.event, pod, "Warning", "PrewarmFailed", msg)
+    log.warning(
+        "event=prewarm-failed model=%s/%s pod=%s attempt=%d error=%r",
+        watch.namespace,
+        watch.model,
+        watch.name,
+        watch.attempts,
+        error,
+    )
+    await watch.write_pods_status()
+    if watch.attempts >= PREWARM_ATTEMPTS:
+        watch.prewarm_failure = f"{watch.attempts} failed prewarms: {error}"
+        return await replace_unprewarmed(watch, fm, spec)
+    return float(PREWARM_BACKOFF_SECONDS * 2 ** (watch.attempts - 1))
+
+
+async def replace_unprewarmed(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec) -> float | None:
+    """Ask for this never-prewarmed pod's eviction on the one path with the budget, back-off and one at a time."""
+    assert watch.prewarm_failure is not None
+    health = PodHealth(
+        name=watch.name,
+        prewarmed=False,
+        livez_ok=False,
+        divergence_recommended=False,
+        divergence_ratio=0.0,
+        divergent_since=None,
+        readyz_failing_since=None,
+        prewarm_failure=watch.prewarm_failure,
+    )
+    async with watch.state.lock:
+        watch.state.health[watch.name] = health
+        decision = await decide(watch, fm, spec, time.monotonic())
+        if decision is not None and decision.action == "evict":
+            watch.state.in_flight = decision.pod
+    if decision is None or decision.action != "evict":
+        return POLL_SECONDS  # held (the event says why); asked again on the next look
+    replaced = f"pod {watch.name} replaced after {decision.message}"
+    await watch.api(watch.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
+    await evict_and_record(watch, fm, decision)
+    return None
