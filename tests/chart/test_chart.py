@@ -126,7 +126,8 @@ def test_chart_crd_is_byte_identical_to_the_source_crd() -> None:
     source = (ROOT / "crds" / "flashmodel.yaml").read_bytes()
     copy = (CHART / "files" / "crds" / "flashmodel.yaml").read_bytes()
     assert copy == source, (
-        "charts/flashmodel-operator/files/crds/flashmodel.yaml differs: cp crds/flashmodel.yaml there"
+        "charts/flashmodel-operator/files/crds/flashmodel.yaml differs from crds/flashmodel.yaml: "
+        "run python scripts/gen_crd.py"
     )
 
 
