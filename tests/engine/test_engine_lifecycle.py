@@ -58,6 +58,11 @@ def test_prewarm_on_start_makes_the_pod_ready(engine: LaunchedEngine) -> None:
     assert metric(text, "flashmodel_startup_seconds", 'phase="prewarm"') == pytest.approx(
         result["durationSeconds"], rel=1e-2)
     assert metric(text, "flashmodel_startup_seconds", 'phase="launcher"') > 0
+    # The launcher met a supported vLLM and said which, before it started it.
+    log = engine.log_path.read_text(errors="replace")
+    version_line = next(line for line in log.splitlines() if "event=vllm-version " in line)
+    assert "ok=true check=on" in version_line
+    assert log.index("event=vllm-version ") < log.index("event=engine-spawned")
 
 
 def test_readyz_fails_while_the_engine_core_is_stopped_though_health_answers(engine: LaunchedEngine) -> None:
