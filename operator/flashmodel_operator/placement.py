@@ -1,4 +1,4 @@
-"""Accelerator profiles, pod side: where an engine pod may run and what it must request.
+"""Where an engine pod may run and what it must request, per accelerator (the pod side of a profile).
 
 The engine side of each profile (the vLLM flags that are enforced) lives in
 `flashmodel_engine.profiles`, so the launcher in the pod and the operator compute the same

@@ -23,7 +23,7 @@ from flashmodel_engine.contract import (
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
-from flashmodel_operator.profiles import pod_profile
+from flashmodel_operator.placement import pod_profile
 
 PRE_STOP_SLEEP_SECONDS = 5
 """Endpoint removal reaches kube-proxy and load balancers within a few seconds."""

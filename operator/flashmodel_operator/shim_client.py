@@ -25,8 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass(frozen=True)
-class EngineMetrics:
-    """The few series of the shim's /metrics the operator decides on."""
+class ShimReading:
+    """One reading of a pod's shim /metrics: the few series the operator decides on.
+
+    Not the engine's exporter (`flashmodel_engine.metrics.EngineMetrics`), which writes them.
+    """
 
     generation: float
     divergence_ratio: float
@@ -36,7 +39,7 @@ class EngineMetrics:
     prewarm_succeeded: bool
 
 
-def parse_metrics(text: str) -> EngineMetrics:
+def parse_metrics(text: str) -> ShimReading:
     values: dict[str, float] = {}
     recommended = False
     for family in text_string_to_metric_families(text):
@@ -49,7 +52,7 @@ def parse_metrics(text: str) -> EngineMetrics:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
             else:
                 values.setdefault(sample.name, sample.value)
-    return EngineMetrics(
+    return ShimReading(
         generation=values.get(ENGINE_GENERATION, 0.0),
         divergence_ratio=values.get(MEMORY_DIVERGENCE_RATIO, 0.0),
         divergence_recommended=recommended,
@@ -110,7 +113,7 @@ class ShimClient:
         result["status"] = resp.status
         return result
 
-    async def metrics(self) -> EngineMetrics | None:
+    async def metrics(self) -> ShimReading | None:
         try:
             async with self.session.get(self.base + METRICS_PATH, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:

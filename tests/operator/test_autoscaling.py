@@ -9,7 +9,7 @@ import pytest
 from flashmodel_operator.autoscaling import hpa_name, render_hpa, render_scaled_object, scaler_state, targets
 from flashmodel_operator.conditions import AUTOSCALING, Observation, build_conditions
 from flashmodel_operator.model import FlashModel
-from flashmodel_operator.profiles import t4_node_selector
+from flashmodel_operator.placement import t4_node_selector
 from flashmodel_operator.reconcile import unschedulable
 
 from tests.operator.specs import FULL_T4
