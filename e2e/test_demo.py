@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e.harness.demo import MODEL, engine_log_tail
 
@@ -30,13 +31,16 @@ def test_objects_only_shows_every_example_and_its_children() -> None:
     rc, out, seconds = _demo("--objects-only", timeout=240)
     print(f"bench: demo --objects-only {seconds:.1f}s")
     assert rc == 0, out[-4000:]
-    for name in ("qwen-chat", "qwen-mini", "tiny-cpu"):
+    names = [d["metadata"]["name"] for f in sorted((ROOT / "examples").glob("*.yaml"))
+             for d in yaml.safe_load_all(f.read_text()) if d and d.get("kind") == "FlashModel"]
+    assert {"qwen-chat", "qwen-mini", "tiny-cpu", "llama-gated"} <= set(names)
+    for name in names:
         assert re.search(rf"^{name}\s+(True|False)\s+\d/\d\s+(t4|cpu)\s", out, re.MULTILINE), (name, out[-4000:])
         assert f"deployment.apps/{name}" in out and f"service/{name}" in out, out[-4000:]
         assert re.search(rf"^  {name}: --model \S+", out, re.MULTILINE), out[-4000:]
     # Every example pod was placed on a fake T4 node before the listing.
     pods = re.findall(r"^pod/\S+\s+\S+\s+(\S+)\s+\d+\s+\S+\s+\S+\s+(\S+)", out, re.MULTILINE)
-    assert len(pods) == 3 and all(node.startswith("t4-node-") for _, node in pods), pods
+    assert len(pods) == len(names) and all(node.startswith("t4-node-") for _, node in pods), pods
     assert "Act 1" not in out, "--objects-only must start no engine"
 
 
