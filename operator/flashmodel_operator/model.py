@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-# spec.model.quantization's values: the engine's table is the one list (the CRD's enum is checked against it).
+# spec.model.quantization's values: the engine's table is the one list (the CRD's enum is generated from it).
 from flashmodel_engine.quantization import Quantization as Quantization
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -37,6 +37,10 @@ class Rule:
 class _Spec(BaseModel):
     # camelCase on the wire, snake_case in Python; unknown fields are a bug in the CRD or here.
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+    # The CRD's CEL rules on this object, and on single fields (by attribute name); pydantic ignores them.
+    rules: ClassVar[tuple[Rule, ...]] = ()
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {}
 
 
 # Bounds shared by several fields. Strings and lists are bounded so that the API server's CEL cost
