@@ -1,7 +1,7 @@
 """Tile attention on the GPU machine: correctness at real shapes, then decode time against vLLM's
 Triton unified attention and FlashAttention-3 on the same inputs, in one run.
 
-    PYTHONPATH=/tmp/site:kernels python3 bench/kernels/bench_attention.py --out $OUT [--sweep]
+    PYTHONPATH=/tmp/site:kernels:. python3 -m bench.kernels.bench_attention --out $OUT [--sweep]
 
 Writes ``bench_attention.json`` (every number; rewritten after each decode shape, so a run cut
 short keeps what it measured) and prints a table. Bytes per decode call are the fewest the call
@@ -9,10 +9,9 @@ must move: every cached K and V element once, the queries once, the output once.
 reads its own copy of the inputs (rotated inside one CUDA graph), so calls whose inputs fit the
 60 MB L2 together are not timed out of the cache where that can be avoided.
 
-``--sweep`` also times tile at other (splits, block_n) configs on the same inputs: first every
-config some rule of ``fit_splits.CANDIDATE_GRID`` picks (so ``fit_splits.py`` compares rules on
-measurements only), then power-of-two split counts, then smaller key tiles at batch <= 64; the
-last two tiers stop once ``--sweep-budget-s`` is spent. Each sweep output is checked fully
+``--sweep`` also times tile at other (splits, block_n) configs on the same inputs, to compare
+split rules on measurements: power-of-two split counts, then smaller key tiles at batch <= 64;
+both stop once ``--sweep-budget-s`` is spent. Each sweep output is checked fully
 written and compared with the default tile output.
 """
 
@@ -31,11 +30,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
-from fit_splits import CANDIDATE_GRID, Shape, plan_config
-from fit_splits import plan as plan_rule
-from flashmodel_kernels.paged_attention import LaunchConfig, paged_attention, wide_tiles_fit
+from flashmodel_kernels.paged_attention import paged_attention
+from flashmodel_kernels.plan import LaunchConfig, plan_launch, wide_tiles_fit
 from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
-from load_floor import load_floor
 
 MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
     "qwen2.5-1.5b": (12, 2, 128),
@@ -87,6 +84,38 @@ class DecodeRow:
     errors: dict[str, str] = field(default_factory=dict)
     tile_sweep: list[dict[str, Any]] = field(default_factory=list)
     """One entry per timed config: splits, block_n, us, tier, rel_diff_vs_tile."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One decode shape of the benchmark: every sequence at ``context`` tokens, one query each."""
+
+    model: str
+    batch: int
+    context: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    multiprocessors: int
+
+    @property
+    def programs(self) -> int:
+        return self.batch * self.kv_heads
+
+
+def plan_config(shape: Shape, *, wide_tiles: bool) -> LaunchConfig:
+    """``plan_launch``'s config for this decode shape."""
+    return plan_launch(
+        num_seqs=shape.batch,
+        num_tokens=shape.batch,
+        max_query_len=1,
+        max_seq_len=shape.context,
+        num_kv_heads=shape.kv_heads,
+        queries_per_kv=shape.q_heads // shape.kv_heads,
+        head_dim=shape.head_dim,
+        multiprocessors=shape.multiprocessors,
+        wide_tiles=wide_tiles,
+    )
 
 
 def cuda_event() -> torch.cuda.Event:
@@ -177,8 +206,8 @@ def gather_kernel(x: DecodeInputs) -> tuple[Kernel, int, torch.Tensor]:
 
     The copy reads one contiguous range; attention reads 16-token pages scattered over the pool.
     This is the ceiling for that access pattern: if it shows the same fixed excess over the copy
-    as the attention kernels (docs/benchmarks.md, runs 5-6: 8-13 us per call), the excess is the
-    layout's, not the kernel's.
+    as the attention kernels (8-13 us per call on an H200), the excess is the layout's, not the
+    kernel's.
     """
     pages = [x.tables[i].flatten().long() for i in range(x.copies)]
     target = torch.empty((pages[0].numel(), *x.keys.shape[1:]), dtype=x.keys.dtype, device=x.keys.device)
@@ -193,20 +222,6 @@ def contiguous_pages(x: DecodeInputs) -> DecodeInputs:
     """The same inputs with each sequence's pages consecutive in the pool (no scatter)."""
     tables = torch.arange(x.tables.numel(), dtype=torch.int32, device=x.tables.device).view(x.tables.shape)
     return replace(x, tables=tables)
-
-
-def floor_kernel(x: DecodeInputs, config: LaunchConfig) -> Kernel:
-    """``load_floor``: the plan's walk over the pages with no arithmetic and no merge."""
-    sums = torch.empty(
-        (x.tables.shape[1], x.keys.shape[2], config.num_splits, 2, x.keys.shape[3]),
-        dtype=torch.float32,
-        device=x.keys.device,
-    )
-
-    def run(i: int) -> None:
-        load_floor(x.keys, x.values, x.tables[i], x.seq_lens, config, sums)
-
-    return run
 
 
 def vllm_triton_kernel(x: DecodeInputs, scale: float) -> Kernel:
@@ -327,13 +342,12 @@ def decode_reference(x: DecodeInputs, scale: float, copy: int) -> torch.Tensor:
 def sweep_configs(shape: Shape, plan: LaunchConfig) -> list[tuple[int, int, int]]:
     """(splits, block_n, tier) to time beyond the main run, most wanted first, without repeats.
 
-    Tier 0: what the rule in use and every rule of CANDIDATE_GRID pick (never skipped: the fit
-    must find each pick measured). Tier 1: power-of-two split counts at the planned block_n. Tier 2:
+    Tier 0: the plan's pick (never skipped). Tier 1: power-of-two split counts at the planned block_n. Tier 2:
     smaller key tiles at power-of-two splits where batches are small enough to be latency-bound.
     Splits of less than one 16-token page, or beyond 16 programs per SM, are not timed.
     """
     planned = (plan.num_splits, plan.block_n)
-    tier0 = {planned} | {plan_rule(shape, rule) for rule in CANDIDATE_GRID}
+    tier0 = {planned}
     sane = [
         s
         for s in SWEEP_SPLITS
@@ -362,7 +376,7 @@ def bench_decode(
     rows: list[dict[str, Any]] = []
     kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
         "tile": tile_kernel,
-        # The plan's pick with each of its two newest choices turned the other way, side by side:
+        # The plan's pick with each of its measured choices turned the other way, side by side:
         # the searching path for the decode path (or back), the merge kernel for the fused merge
         # (or back), and the fused merge at twice the splits.
         "tile_other_path": lambda x, scale: tile_kernel(x, scale, replace(x.plan, decode_path=not x.plan.decode_path)),
@@ -370,21 +384,10 @@ def bench_decode(
         "tile_fused_2x": lambda x, scale: tile_kernel(
             x, scale, replace(x.plan, fuse_merge=True, num_splits=min(2 * x.plan.num_splits, 32))
         ),
-        # Experiment (run 6): twice the keys per loop step, so each program has half the steps and
-        # twice the bytes in flight per load; sm_90 only (a T4's shared memory holds 64 keys).
+        # Twice the keys per loop step, so each program has half the steps and twice the bytes in
+        # flight per load; sm_80/sm_90 only (a T4's shared memory holds 64 keys).
         "tile_bn128": lambda x, scale: tile_kernel(x, scale, replace(x.plan, block_n=128)),
         "tile_bn128_w8": lambda x, scale: tile_kernel(x, scale, replace(x.plan, block_n=128, num_warps=8)),
-        # Experiment (run 8): each tile's page numbers read one loop step ahead, so K/V loads no
-        # longer wait behind a block-table read; at 3 stages the compiler then double-buffers K
-        # and V (two tiles in flight per program). 64-key tiles keep 3 programs per SM at 3 stages.
-        "tile_prefetch": lambda x, scale: tile_kernel(x, scale, replace(x.plan, prefetch_pages=True)),
-        "tile_prefetch_s3": lambda x, scale: tile_kernel(x, scale, replace(x.plan, prefetch_pages=True, num_stages=3)),
-        "tile_prefetch_s3_bn64": lambda x, scale: tile_kernel(
-            x, scale, replace(x.plan, prefetch_pages=True, num_stages=3, block_n=64)
-        ),
-        # Experiment (session 5, not timed yet): the fused merge loads every split's result at
-        # once instead of one after another, at the tail of the call where nothing else runs.
-        "tile_gathered_merge": lambda x, scale: tile_kernel(x, scale, replace(x.plan, gathered_merge=True)),
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
@@ -407,7 +410,7 @@ def bench_decode(
                     copies=x.copies,
                     bytes=batch * context * kv_heads * head_dim * 2 * 2 + 2 * batch * q_heads * head_dim * 2,
                 )
-                plan = plan_config(shape, {"wide_tiles": wide_tiles_fit(device)})  # as paged_attention plans
+                plan = plan_config(shape, wide_tiles=wide_tiles_fit(device))  # as paged_attention plans
                 x.plan = plan
                 row.num_splits = plan.num_splits
                 row.plan = asdict(plan)  # every choice, so a later rule can tell which variant ran its pick
@@ -419,10 +422,6 @@ def bench_decode(
                         continue  # nothing to merge
                     if name.startswith("tile_bn128") and context // plan.num_splits < 128:
                         continue  # a split shorter than the tile: masked keys, nothing to learn
-                    if name == "tile_prefetch_s3_bn64" and plan.block_n <= 64:
-                        continue  # the same launch as tile_prefetch_s3
-                    if name == "tile_gathered_merge" and not (plan.num_splits > 1 and plan.fuse_merge):
-                        continue  # no fused merge in this plan: the same launch as tile
                     try:
                         x.outs.fill_(float("nan"))
                         run = make(x, scale)
@@ -462,13 +461,6 @@ def bench_decode(
                         row.rel_err_vs_float64["tile_contiguous"] = relative_error(x.outs[0], reference)
                 except Exception as exc:
                     row.errors["tile_contiguous"] = f"{type(exc).__name__}: {exc}"[:300]
-                # The same walk with nothing else: what the paged loads alone cost (load_floor.py).
-                try:
-                    seconds = time_graph(floor_kernel(x, plan), x.copies)
-                    row.us["floor"] = seconds * 1e6
-                    row.bandwidth_fraction["floor"] = row.bytes / seconds / bandwidth
-                except Exception as exc:
-                    row.errors["floor"] = f"{type(exc).__name__}: {exc}"[:300]
                 try:
                     run, moved, _ = gather_kernel(x)
                     seconds = time_graph(run, x.copies)
@@ -518,9 +510,7 @@ def format_row(row: DecodeRow) -> str:
         f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
         f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
         f"fused2x={us('tile_fused_2x')}us bn128={us('tile_bn128')}us bn128w8={us('tile_bn128_w8')}us "
-        f"prefetch={us('tile_prefetch')}us prefetch_s3={us('tile_prefetch_s3')}us "
-        f"prefetch_s3_bn64={us('tile_prefetch_s3_bn64')}us gathered_merge={us('tile_gathered_merge')}us "
-        f"contiguous={us('tile_contiguous')}us floor={us('floor')}us gather={us('gather')}us copy={us('copy')}us "
+        f"contiguous={us('tile_contiguous')}us gather={us('gather')}us copy={us('copy')}us "
         f"tile_bw={frac:6.1%} copy_bw={row.bandwidth_fraction.get('copy', float('nan')):6.1%} "
         f"triton/tile={vs_triton:5.2f} fa3/tile={vs_fa3:5.2f} "
         f"err64={row.rel_err_vs_float64.get('tile', float('nan')):.1e} "

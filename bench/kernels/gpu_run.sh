@@ -18,7 +18,7 @@ if [ -n "${PREBUILD:-}" ]; then
   mkdir -p /tmp/slo-models
   ( for s in $PREBUILD; do
       [ -f /tmp/slo-models/$s/config.json ] && continue
-      CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 nice -n 19 python3 bench/mkmodel.py /tmp/slo-models/$s.partial $s >/dev/null 2>&1 \
+      CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 nice -n 19 python3 bench/slo/mkmodel.py /tmp/slo-models/$s.partial $s >/dev/null 2>&1 \
         && mv /tmp/slo-models/$s.partial /tmp/slo-models/$s
     done ) &
   BUILDS=$!
@@ -40,7 +40,7 @@ stamp "pytest: $(tail -n 2 "$OUT/pytest_gpu.txt" | tr '\n' ' ')"
 if [ "${SKIP_VLLM:-0}" != 1 ]; then
 for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; kill -0 $SP 2>/dev/null || break; sleep 2; done
 stamp "server: $(curl -sf localhost:8000/health >/dev/null && echo up || echo DOWN)"
-timeout 120 python3 bench/kernels/vllm_requests.py --port 8000 --out "$OUT/vllm_requests.json" 2>&1 | tail -3
+timeout 120 python3 -m bench.kernels.vllm_requests --port 8000 --out "$OUT/vllm_requests.json" 2>&1 | tail -3
 kill $SP 2>/dev/null; wait $SP 2>/dev/null
 stamp "vllm done"
 grep -E "flashmodel tile attention|Using .*backend|Traceback|Error" "$OUT/vllm_tile.log" | cut -c1-300 | head -12
@@ -48,7 +48,7 @@ echo "verify lines: $(grep -c 'tile verify' "$OUT/vllm_tile.log"); worst: $(grep
 grep "tile verify" "$OUT/vllm_tile.log" | sed -n '1p;$p' | cut -c1-300
 fi
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-PYTHONPATH=/tmp/site:kernels timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} \
+PYTHONPATH=/tmp/site:kernels:. timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.kernels.bench_attention --out "$OUT" ${BENCH_ARGS:-} \
   > "$OUT/bench_attention.txt" 2>&1
 stamp "bench rc=$?"; grep -v "^correctness" "$OUT/bench_attention.txt" | tail -70 | cut -c1-420
 if [ -n "${BUILDS:-}" ]; then wait "$BUILDS"; stamp "models: $(ls /tmp/slo-models | tr '\n' ' ')"; fi

@@ -1,6 +1,6 @@
 """Send a mixed batch of completions to a running vLLM (token-id prompts) and print a summary.
 
-    python3 bench/kernels/vllm_requests.py --port 8000 --out $OUT/vllm_requests.json
+    python3 -m bench.kernels.vllm_requests --port 8000 --out $OUT/vllm_requests.json
 
 Prompts of 17 to 3000 tokens arrive together, so the engine runs prefills, chunked prefills and
 decodes of many sequences in the same steps: every path of the attention backend is exercised.

@@ -1,6 +1,6 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 # (Triton JIT functions take untyped pointer and stride arguments by design: Triton reads their
-# annotations only for constexpr. The typed launchers beside them carry the types.)
+# annotations only for constexpr. The typed launcher beside them carries the types.)
 """Tile attention: one Triton kernel family for decode and prefill/mixed batches over a paged KV cache.
 
 Layout contract (vLLM's, read through strides so a layout change upstream is a view, not a port):
@@ -16,92 +16,21 @@ shares that kv head (GQA), so the K/V tile it loads is reused by ``QUERIES_PER_K
 contiguous part of the key range (split-KV). The softmax is the exact online softmax: a running
 maximum and sum per row, rescaled whenever a tile raises the maximum, so tile edges change nothing
 but fp32 rounding. Split results are merged from their log-sum-exp, by the last split of each
-tile to finish (``fuse_merge``) or by a second kernel. A pure decode batch (one new token per
+tile to finish (``fuse_merge``) or by the merge kernel (``merge.py``). A pure decode batch (one new token per
 sequence) can skip the search that maps programs to sequences (``decode_path``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import lru_cache, partial
 
 import torch
 
 from flashmodel_kernels._triton import INTERPRETING, tl, triton
+from flashmodel_kernels.merge import merge_split_rows, merge_splits
+from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig, multiprocessor_count, plan_launch, wide_tiles_fit
 
-__all__ = [
-    "LaunchConfig",
-    "Variant",
-    "compiled_variants",
-    "paged_attention",
-    "plan_launch",
-    "precompile",
-    "serving_variants",
-]
-
-PAGE_SIZE = 16
-"""Tokens per KV-cache block: the T4 profile fixes vLLM's ``--block-size 16``."""
-
-# The decode split rule, fitted on the H200 sweep of 2026-12-02 (run 2,
-# bench/kernels/results/h200-2026-12-02-run2, ``fit_splits.py --search``): on its 56 decode shapes
-# this rule is slower than vLLM's Triton kernel on none (worst triton/tile 1.08, geomean 1.37),
-# where the rule before it (256 keys per split, no tile fitting) was slower on 10 (worst 0.59, at
-# batch 1-16 with context 512-1024, where too few programs kept the GPU idle). Every pick it makes
-# on those shapes was timed there, so docs/benchmarks.md reports measurements, not predictions.
-MIN_TOKENS_PER_SPLIT = 32
-"""A split holds at least this many keys (two 16-token pages): shorter, its merge costs more than it saves."""
-
-PROGRAMS_PER_SM = 2.0
-"""Decode splits the key range until there are about this many programs per multiprocessor."""
-
-MAX_SPLITS = 32
-
-MAX_FUSED_SPLITS = 10
-"""Split launches of 2..10 parts merge inside the attention kernel: the largest count timed fused.
-
-H200 runs 5a/5b (2026-12-03, bench/kernels/results/h200-2026-12-03-run5*), the 15 split shapes
-of batch >= 32 / context >= 1024: fused faster than the merge kernel on 14 of 15 (by up to
-5.0 us of 49; 0.1-0.2 us slower on the 15th), timed at 2-5 splits and at twice that (4-10). The
-merging program reads its splits one after another, so far more splits than were timed are left
-to the merge kernel.
-"""
-
-MAX_FUSED_SPLITS_NARROW = 5
-"""With 64-key (or shorter) tiles, only launches of 2..5 splits fuse the merge.
-
-H200 run 6 (2026-12-03, bench/kernels/results/h200-2026-12-03-run6): at 9 splits of 64-key tiles
-(1.5B batch 16, contexts 512-4096) the merge kernel was 1.3-1.7 us faster than the fused merge on
-all four shapes; at 2-5 splits the fused merge was as fast or faster (runs 5a/5b, run 6).
-"""
-
-WIDE_BLOCK_N = 128
-"""Keys per loop step of a decode split on a GPU with the shared memory for it (``wide_tiles``).
-
-H200 run 6, side by side on the same inputs: at 3-32 splits with >= 128 keys per split, 128-key
-tiles were faster than 64-key tiles on all 20 such shapes (by 0.2-7.8 us, up to 15.5 %: 7B batch
-16 / 4096 42.4 vs 50.2 us); at 2 splits slower on all 8 (up to 18.9 %: 160.7 vs 135.1 us) and
-unsplit slower on all 12; so only launches of at least ``WIDE_TILE_MIN_SPLITS`` take them.
-Twice the keys per step halves a short split's dependent page-then-K/V round trips.
-"""
-WIDE_TILE_MIN_SPLITS = 3
-WIDE_TILE_SHARED_BYTES = 160 * 1024
-"""A 128-key step stages K and V (2 x 128 x 128 x 2 B) twice (2 stages): 128 KB plus the query.
-sm_80/sm_90 allow 163/227 KB per block; sm_86/89 (99 KB) and the T4 (64 KB) do not."""
-
-DECODE_PATH_MAX_PROGRAMS_PER_SM = 4.0
-"""An unsplit decode launch takes the search-free path up to this many programs per SM.
-
-H200 run 6: at 512 programs (3.9 per SM: 1.5B batch 256, 7B batch 128) the decode path was
-faster on all 8 shapes (0.4-3.7 us; 7B batch 128 / 512: 40.0 vs 43.7 us), at 1024 (7B batch 256)
-slower on all 4 (1.5-36.8 us), as in runs 5a/5b.
-"""
-
-FIT_BLOCK_N_TO_SPLIT = True
-"""Decode key tiles no longer than one split: a 32-key split read with 64-key tiles loads half masked keys."""
-
-SHARED_BUDGET_BYTES = 48 * 1024
-"""Shared memory one program may plan for: the T4 allows 64 KB per block; the rest is headroom."""
+__all__ = ["paged_attention"]
 
 
 @triton.jit
@@ -118,7 +47,7 @@ def split_tiles(kv_end, split, num_splits, BLOCK_N: tl.constexpr):
 # serving, or a benchmark sweep) must not cost a compile. Only whether to split is compiled in.
 # num_seqs likewise: Triton would otherwise compile a variant for 1, for multiples of 16 and for
 # the rest, and a serving engine meets all three as its batch changes, each a stall of a second
-# or so on first use (vLLM's JIT monitor logged this kernel compiling during inference, SLO run 6).
+# or so on first use, stalling every request in flight.
 # It only bounds the search, so the specialisation buys nothing.
 @triton.jit(do_not_specialize=["num_splits", "num_seqs"])
 def _paged_attention_kernel(
@@ -159,8 +88,6 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DECODE: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
-    PREFETCH_PAGES: tl.constexpr,
-    MERGE_SPLITS_PAD: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QUERIES_PER_KV_PAD
@@ -229,23 +156,10 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     block_row = block_table_ptr + seq * stride_bt_seq
 
-    if PREFETCH_PAGES:
-        first_pos = tile_begin * BLOCK_N + offs_n
-        next_page = tl.load(block_row + first_pos // PAGE_SIZE, mask=first_pos < kv_end, other=0)
     for kv_tile in range(tile_begin, tile_end):
         key_pos = kv_tile * BLOCK_N + offs_n
         key_valid = key_pos < kv_end
-        if PREFETCH_PAGES:
-            # The next tile's page numbers are loaded one step ahead, so its K/V loads do not
-            # wait behind a block-table read: without this each step is two dependent trips to
-            # memory (page numbers, then K/V) that the compiler's pipeliner cannot overlap.
-            # Measured (H200 kernel run 8): no better where a program has few steps, and 28 %
-            # slower (median) where it has 8 or more, so no plan picks it; kept for the bench.
-            page = next_page.to(tl.int64)
-            ahead_pos = key_pos + BLOCK_N
-            next_page = tl.load(block_row + ahead_pos // PAGE_SIZE, mask=ahead_pos < kv_end, other=0)
-        else:
-            page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+        page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = key_pos % PAGE_SIZE
         # int64: a cache of a few hundred thousand pages is more than 2**31 elements per layer.
         k_rows = page * stride_k_blk + slot * stride_k_tok + kv_head * stride_k_head
@@ -315,21 +229,9 @@ def _paged_attention_kernel(
             if arrived == num_splits - 1:
                 tl.debug_barrier()
                 first_row = (tok_global * num_q_heads + q_head) * num_splits
-                if MERGE_SPLITS_PAD > 0:
-                    merged = _merge_gathered(
-                        part_out_ptr,
-                        part_lse_ptr,
-                        first_row,
-                        row_valid,
-                        num_splits,
-                        BLOCK_M,
-                        HEAD_DIM_PAD,
-                        MERGE_SPLITS_PAD,
-                    )
-                else:
-                    merged = _merge_one_by_one(
-                        part_out_ptr, part_lse_ptr, first_row, row_valid, num_splits, BLOCK_M, HEAD_DIM_PAD
-                    )
+                merged = merge_split_rows(
+                    part_out_ptr, part_lse_ptr, first_row, row_valid, num_splits, BLOCK_M, HEAD_DIM_PAD
+                )
                 o_rows = tok_global * stride_o_tok + q_head * stride_o_head
                 tl.store(
                     out_ptr + o_rows[:, None] + offs_d[None, :],
@@ -337,149 +239,6 @@ def _paged_attention_kernel(
                     mask=row_valid[:, None] & dim_valid[None, :],
                 )
                 tl.store(arrivals, 0)  # zero again for the next call: no memset per call
-
-
-@triton.jit
-def _merge_one_by_one(
-    part_out_ptr, part_lse_ptr, first_row, row_valid, num_splits, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr
-):
-    """The fused merge in use: splits read in a loop, each rescaling the running result."""
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    w_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-    merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    for part in range(num_splits):
-        # .cg: other programs wrote these; read them from L2, never a stale L1 line.
-        part_lse = tl.load(part_lse_ptr + first_row + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        part_out = tl.load(
-            part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            mask=row_valid[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_next = tl.maximum(m_all, part_lse)
-        m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)
-        scale_old = tl.exp2(m_all - m_safe)
-        weight = tl.exp2(part_lse - m_safe)
-        w_all = w_all * scale_old + weight
-        merged = merged * scale_old[:, None] + part_out * weight[:, None]
-        m_all = m_next
-    return merged / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
-
-
-@triton.jit
-def _merge_gathered(
-    part_out_ptr,
-    part_lse_ptr,
-    first_row,
-    row_valid,
-    num_splits,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """An experiment (``LaunchConfig.gathered_merge``): every split's log-sum in one load, then
-    the weighted sum over an unrolled loop whose loads depend on nothing computed before them.
-
-    The loop above waits for each split's two loads in turn (L2 round trips, one after another,
-    at the tail of the call where nothing else runs); here the compiler may issue them all at once.
-    """
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    in_range = offs_s < num_splits
-    lse = tl.load(
-        part_lse_ptr + first_row[:, None] + offs_s[None, :],
-        mask=row_valid[:, None] & in_range[None, :],
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )  # [BLOCK_M, SPLITS_PAD]
-    m_all = tl.max(lse, axis=1)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    weights = tl.exp2(lse - m_safe[:, None])  # 0 for a split without keys and for padding
-    w_all = tl.sum(weights, axis=1)
-    merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    for part in tl.static_range(SPLITS_PAD):
-        part_out = tl.load(
-            part_out_ptr + (first_row + part)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            mask=row_valid[:, None] & (part < num_splits),
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        weight = tl.sum(tl.where(offs_s[None, :] == part, weights, 0.0), axis=1)
-        merged += part_out * weight[:, None]
-    return merged / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    part_out_ptr,  # [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD] fp32, each split normalised
-    part_lse_ptr,  # [num_tokens, num_q_heads, num_splits] fp32, log2 of each split's exp2-sum
-    num_q_heads,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS_PAD: tl.constexpr,
-):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    row = (tok * num_q_heads + head) * num_splits
-    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    # Every token sees at least itself, so at least one split has a finite log-sum.
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # [NUM_SPLITS_PAD]
-    part = tl.load(
-        part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-        mask=(offs_s < num_splits)[:, None],
-        other=0.0,
-    )  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
-    merged = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    tl.store(
-        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
-        merged.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How one call is tiled; ``plan_launch`` picks it, tests and benchmarks may force it."""
-
-    block_q: int
-    """Query tokens per program; times the padded GQA group it is the tile's M (>= 16 for tl.dot)."""
-    block_n: int
-    """Keys per inner-loop step: a multiple of the 16-token page, so one step reads whole pages."""
-    num_splits: int
-    """Parts the key range is cut into (split-KV); 1 writes the output directly, no merge."""
-    num_warps: int = 4
-    num_stages: int = 2
-    fuse_merge: bool = False
-    """Split results merged by the last split to finish, in the same kernel, not by a second one."""
-    decode_path: bool = True
-    """A pure decode batch takes the search-free path (program i is sequence i); False searches."""
-    prefetch_pages: bool = False
-    """Each key tile's page numbers read one loop step ahead: an experiment no plan picks (run 8)."""
-    gathered_merge: bool = False
-    """With ``fuse_merge``: every split's result loaded at once, not one after another (an experiment)."""
-
-
-@lru_cache(maxsize=8)
-def wide_tiles_fit(device: torch.device) -> bool:
-    """Whether one program may stage 128-key K and V tiles (``WIDE_TILE_SHARED_BYTES``)."""
-    if device.type != "cuda" or INTERPRETING:
-        return False
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 0)) >= WIDE_TILE_SHARED_BYTES
-
-
-@lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: a small "GPU", so CI exercises split-KV on small shapes
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 _ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -503,270 +262,6 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
         counters = torch.zeros(max(needed, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
         _ARRIVALS[key] = counters
     return counters
-
-
-def plan_launch(
-    *,
-    num_seqs: int,
-    num_tokens: int,
-    max_query_len: int,
-    max_seq_len: int,
-    num_kv_heads: int,
-    queries_per_kv: int,
-    head_dim: int,
-    multiprocessors: int,
-    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
-    programs_per_sm: float = PROGRAMS_PER_SM,
-    max_splits: int = MAX_SPLITS,
-    fit_block_n_to_split: bool = FIT_BLOCK_N_TO_SPLIT,
-    decode_block_n: int | None = None,
-    wide_tiles: bool = False,
-) -> LaunchConfig:
-    """Choose the tiling for one call from host-side sizes only (no device sync, graph-safe).
-
-    Decode (every sequence brings one token) is memory-bound: M is the smallest tile tl.dot takes
-    and the key range is split until there are about ``programs_per_sm`` programs per
-    multiprocessor, keeping at least ``min_tokens_per_split`` keys per split and at most
-    ``max_splits`` splits. A decode tile takes the most keys (BLOCK_N) the shared-memory budget
-    allows, at most ``decode_block_n`` when given (a power of two >= 16), and with
-    ``fit_block_n_to_split`` no more than one split holds, so short splits load no masked keys.
-    With ``wide_tiles`` (the GPU has the shared memory, see ``WIDE_BLOCK_N``) a launch of at least
-    ``WIDE_TILE_MIN_SPLITS`` splits takes 128-key tiles (head_dim <= 128).
-    Prefill is compute-bound: a larger M reuses each K/V tile for more query rows. The keyword
-    defaults are the rule in use, chosen from measurements (H200 run 2, see ``MIN_TOKENS_PER_SPLIT``);
-    ``bench/kernels/fit_splits.py`` passes others to compare rules on measured data. The split count
-    is a runtime kernel argument, so a new pick costs no compile.
-    """
-    group_pad = triton.next_power_of_2(queries_per_kv)
-    decode = max_query_len <= 1
-    # On sm_75 Triton lowers tl.dot to fp32 FMA and stages both operands in shared memory as
-    # fp32: (M + N) * head_dim_pad * 4 bytes. Keep that within 48 KB of the T4's 64 KB.
-    rows = SHARED_BUDGET_BYTES // (4 * triton.next_power_of_2(head_dim))
-    block_m = 16 if decode else min(64, max(16, rows - 32))
-    block_q = max(1, block_m // group_pad)
-    spare = max(16, min(64 if decode else 32, rows - block_q * group_pad))
-    block_n = 1 << (spare.bit_length() - 1)  # tl.arange takes powers of two
-    q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
-    programs = q_tiles * num_kv_heads
-    splits = 1
-    target = programs_per_sm * multiprocessors
-    if programs < target:
-        by_length = max(1, max_seq_len // max(1, min_tokens_per_split))
-        splits = max(1, min(math.ceil(target / programs), by_length, max_splits))
-    if decode and wide_tiles and splits >= WIDE_TILE_MIN_SPLITS and triton.next_power_of_2(head_dim) <= 128:
-        block_n = WIDE_BLOCK_N
-    if decode and decode_block_n is not None:
-        block_n = max(16, min(block_n, triton.next_power_of_2(decode_block_n)))
-    if decode and fit_block_n_to_split and splits > 1:
-        keys_per_split = math.ceil(max_seq_len / splits)
-        while block_n > 16 and block_n > keys_per_split:
-            block_n //= 2
-    # Measured side by side (runs 5a/5b and 6, see MAX_FUSED_SPLITS, MAX_FUSED_SPLITS_NARROW and
-    # DECODE_PATH_MAX_PROGRAMS_PER_SM): the search-free decode path is faster where the launch
-    # splits and, unsplit, up to about 4 programs per SM; above that (7B batch 256) it was 5-8 %
-    # slower, so the searching path stays there.
-    fused_limit = MAX_FUSED_SPLITS if block_n >= WIDE_BLOCK_N else MAX_FUSED_SPLITS_NARROW
-    return LaunchConfig(
-        block_q=block_q,
-        block_n=block_n,
-        num_splits=splits,
-        fuse_merge=1 < splits <= fused_limit,
-        decode_path=splits > 1 or programs <= DECODE_PATH_MAX_PROGRAMS_PER_SM * multiprocessors,
-    )
-
-
-def compiled_variants() -> int | None:
-    """How many compiled variants of the two kernels this process holds (None under the interpreter).
-
-    Each new one was a JIT compile on first use; a serving engine that meets one mid-traffic
-    stalls for it. The vLLM backend logs every rise, so a run shows which batches compiled.
-    """
-    total = 0
-    for kernel in (_paged_attention_kernel, _merge_splits_kernel):
-        caches = getattr(kernel, "device_caches", None)
-        if caches is None:
-            return None
-        # Triton 3.6/3.7: device -> (kernel_cache, ...); the first element maps keys to kernels.
-        total += sum(len(entry[0]) for entry in caches.values())
-    return total
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What one launch compiles: two launches with equal variants share one compiled kernel.
-
-    Everything else a launch passes (sizes, split count, pointers, strides) is either a runtime
-    argument or fixed for a model, so a serving engine meets only the variants its plans pick.
-    """
-
-    block_q: int
-    block_n: int
-    split: bool
-    decode: bool
-    """The search-free decode path (the kernel's DECODE), not merely a decode batch."""
-    fuse_merge: bool
-    merge_splits_pad: int
-    """NUM_SPLITS_PAD of the merge kernel, which compiles once per value; 0 when it does not run."""
-    num_warps: int
-    num_stages: int
-    prefetch_pages: bool = False
-    gathered_merge_pad: int = 0
-    """The fused merge's MERGE_SPLITS_PAD (compiled per value); 0 for the loop in use."""
-
-
-def merge_splits_pad(config: LaunchConfig) -> int:
-    """MERGE_SPLITS_PAD for a launch: the split count padded to a power of two when the fused
-    merge gathers (``gathered_merge``), else 0 (the runtime loop, one compile for every count)."""
-    gathered = config.num_splits > 1 and config.fuse_merge and config.gathered_merge
-    return triton.next_power_of_2(config.num_splits) if gathered else 0
-
-
-def launch_variant(config: LaunchConfig, *, decode_batch: bool) -> Variant:
-    """The variant ``paged_attention`` compiles for ``config`` on a decode or a mixed batch."""
-    split = config.num_splits > 1
-    merge_kernel = split and not config.fuse_merge
-    return Variant(
-        block_q=config.block_q,
-        block_n=config.block_n,
-        split=split,
-        decode=config.decode_path and decode_batch,
-        fuse_merge=split and config.fuse_merge,
-        merge_splits_pad=triton.next_power_of_2(config.num_splits) if merge_kernel else 0,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        prefetch_pages=config.prefetch_pages,
-        gathered_merge_pad=merge_splits_pad(config),
-    )
-
-
-def _breakpoints(limit: int, step_lengths: tuple[int, ...], max_splits: int) -> list[int]:
-    """Context lengths up to ``limit`` around every point where a plan can change.
-
-    A plan changes where ``max_seq_len // min_tokens_per_split`` steps (multiples of the split
-    floor) and where one split's keys cross a key-tile size (a tile size times a split count);
-    one below, at and one above each such point, plus the limit, reach every plan in between.
-    """
-    points = {1, 2, limit}
-    for splits in range(1, max_splits + 2):
-        for length in step_lengths:
-            for delta in (-1, 0, 1):
-                value = length * splits + delta
-                if 1 <= value <= limit:
-                    points.add(value)
-    return sorted(points)
-
-
-def serving_variants(
-    *,
-    num_kv_heads: int,
-    queries_per_kv: int,
-    head_dim: int,
-    multiprocessors: int,
-    wide_tiles: bool,
-    max_num_seqs: int,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-) -> dict[Variant, LaunchConfig]:
-    """Every variant ``plan_launch`` can pick for an engine's limits, each with a config that picks it.
-
-    An engine compiles a variant the first time a batch needs it, which stalls every request in
-    flight for as long as the compile takes (a second or more). SLO run 6 saw this kernel compile
-    in the middle of serving. ``precompile`` compiles all of these before traffic instead.
-    """
-    target = PROGRAMS_PER_SM * multiprocessors
-    # Batch sizes: the plan depends on the batch only through the program count while it is
-    # below the occupancy target, then only through the decode path's limit; past both, one
-    # size stands for all.
-    last_on_decode_path = int(DECODE_PATH_MAX_PROGRAMS_PER_SM * multiprocessors) // num_kv_heads
-    edges = {max_num_seqs, last_on_decode_path, last_on_decode_path + 1}
-    seq_counts = sorted(set(range(1, math.ceil(target / num_kv_heads) + 2)) | edges)
-    seq_counts = [n for n in seq_counts if 1 <= n <= max_num_seqs]
-    lengths = _breakpoints(max_model_len, tuple(sorted({MIN_TOKENS_PER_SPLIT, 16, 32, 64, WIDE_BLOCK_N})), MAX_SPLITS)
-    found: dict[Variant, LaunchConfig] = {}
-    plan = partial(
-        plan_launch,
-        num_kv_heads=num_kv_heads,
-        queries_per_kv=queries_per_kv,
-        head_dim=head_dim,
-        multiprocessors=multiprocessors,
-        wide_tiles=wide_tiles,
-    )
-    for num_seqs in seq_counts:
-        for max_seq_len in lengths:
-            # A decode batch, and the smallest mixed batch of as many sequences (most splits).
-            for num_tokens, max_query_len in ((num_seqs, 1), (num_seqs + 1, 2)):
-                if max_query_len > max_seq_len or num_tokens > max_num_batched_tokens:
-                    continue
-                config = plan(
-                    num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len
-                )
-                found.setdefault(launch_variant(config, decode_batch=max_query_len == 1), config)
-    # A full chunked-prefill batch: many programs, so no split.
-    full = plan(
-        num_seqs=max_num_seqs,
-        num_tokens=max_num_batched_tokens,
-        max_query_len=max(2, min(max_model_len, max_num_batched_tokens)),
-        max_seq_len=max_model_len,
-    )
-    found.setdefault(launch_variant(full, decode_batch=False), full)
-    return found
-
-
-def precompile(
-    query: torch.Tensor,  # the engine's [num_tokens, num_q_heads, head_dim]: its strides are copied
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # the engine's: its row stride is copied
-    *,
-    scale: float,
-    max_num_seqs: int,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-) -> list[Variant]:
-    """Compile every variant an engine with these limits can meet, before it serves.
-
-    Each variant is launched once on a one-sequence batch with the engine's own cache, query
-    strides and block-table stride, so Triton compiles exactly the kernel serving would (it
-    specialises on dtypes, pointer alignment and integer divisibility, all taken from these).
-    The launches read page 0 of the cache and write only their own scratch output.
-    """
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    variants = serving_variants(
-        num_kv_heads=num_kv_heads,
-        queries_per_kv=num_q_heads // num_kv_heads,
-        head_dim=head_dim,
-        multiprocessors=_multiprocessors(query.device),
-        wide_tiles=wide_tiles_fit(query.device),
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    pages = block_table.stride(0)
-    table = torch.zeros((1, pages), dtype=block_table.dtype, device=block_table.device)
-    for variant, config in variants.items():
-        # A batch off the decode path compiles the same kernel whatever its query lengths.
-        query_len = 1 if variant.decode else 2
-        # One key tile per split; enough keys that every split has some.
-        seq_len = min(pages * PAGE_SIZE, max(query_len, config.num_splits * config.block_n))
-        scratch_query = torch.empty_strided(
-            (query_len, num_q_heads, head_dim), query.stride(), dtype=query.dtype, device=query.device
-        )
-        scratch_query.normal_()
-        paged_attention(
-            scratch_query,
-            key_cache,
-            value_cache,
-            table,
-            torch.tensor([seq_len], dtype=torch.int32, device=query.device),
-            torch.tensor([0, query_len], dtype=torch.int32, device=query.device),
-            max_query_len=query_len,
-            max_seq_len=seq_len,
-            scale=scale,
-            out=torch.empty((query_len, num_q_heads, head_dim), dtype=query.dtype, device=query.device),
-            config=config,
-        )
-    return list(variants)
 
 
 def paged_attention(
@@ -816,7 +311,7 @@ def paged_attention(
             num_kv_heads=num_kv_heads,
             queries_per_kv=queries_per_kv,
             head_dim=head_dim,
-            multiprocessors=_multiprocessors(query.device),
+            multiprocessors=multiprocessor_count(query.device),
             wide_tiles=wide_tiles_fit(query.device),
         )
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -864,24 +359,10 @@ def paged_attention(
         SPLIT_KV=splits > 1,
         DECODE=decode,
         FUSE_MERGE=arrivals is not None,
-        PREFETCH_PAGES=config.prefetch_pages,
-        MERGE_SPLITS_PAD=merge_splits_pad(config) if arrivals is not None else 0,
         INTERPRETER_BF16=INTERPRETING and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if splits > 1 and arrivals is None:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            part_out,
-            part_lse,
-            num_q_heads,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS_PAD=triton.next_power_of_2(splits),
-            num_warps=4,
-        )
+        merge_splits(out, part_out, part_lse)
     return out

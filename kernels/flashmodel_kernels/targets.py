@@ -21,13 +21,9 @@ from typing import Any
 import torch
 
 from flashmodel_kernels._triton import INTERPRETING, triton
-from flashmodel_kernels.paged_attention import (
-    PAGE_SIZE,
-    LaunchConfig,
-    _merge_splits_kernel,
-    _paged_attention_kernel,
-    merge_splits_pad,
-)
+from flashmodel_kernels.merge import _merge_splits_kernel
+from flashmodel_kernels.paged_attention import _paged_attention_kernel
+from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig
 
 __all__ = [
     "T4_SHARED_MEMORY_BYTES",
@@ -74,7 +70,7 @@ class EngineLayout:
     Triton specialises every launch on its arguments: an integer equal to 1 becomes a constant,
     one divisible by 16 (and a 16-byte aligned pointer) is marked so, which lets the compiler
     vectorise the K/V loads and pipeline them with ``cp.async``. A compile that leaves these out
-    is not the kernel a GPU runs (on sm_90 it had no ``cp.async`` at all), so the report compiles
+    is not the kernel a GPU runs (on sm_90 it has no ``cp.async`` at all), so the report compiles
     with the arguments vLLM's tensors give.
     """
 
@@ -261,8 +257,6 @@ def compile_tile_attention(
         SPLIT_KV=int(config.num_splits > 1),
         DECODE=int(decode and config.decode_path),
         FUSE_MERGE=int(config.num_splits > 1 and config.fuse_merge),
-        PREFETCH_PAGES=int(config.prefetch_pages),
-        MERGE_SPLITS_PAD=merge_splits_pad(config),
         INTERPRETER_BF16=0,
     )
     reports = [
@@ -330,8 +324,6 @@ def _compile_in_child(
         *(["--decode"] if decode else []),
         *(["--fuse-merge"] if config.fuse_merge else []),
         *([] if config.decode_path else ["--search-path"]),
-        *(["--prefetch-pages"] if config.prefetch_pages else []),
-        *(["--gathered-merge"] if config.gathered_merge else []),
     ]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -354,8 +346,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", action="store_true", help="the one-token-per-sequence path")
     parser.add_argument("--fuse-merge", action="store_true", help="splits merged inside the attention kernel")
     parser.add_argument("--search-path", action="store_true", help="a decode batch on the searching path")
-    parser.add_argument("--prefetch-pages", action="store_true", help="page numbers read one loop step ahead")
-    parser.add_argument("--gathered-merge", action="store_true", help="the fused merge loads every split at once")
     parser.add_argument("--num-kv-heads", type=int, default=EngineLayout.num_kv_heads)
     parser.add_argument("--max-model-len", type=int, default=EngineLayout.max_model_len)
     a = parser.parse_args(argv)
@@ -367,8 +357,6 @@ def main(argv: list[str] | None = None) -> None:
         a.num_stages,
         a.fuse_merge,
         decode_path=not a.search_path,
-        prefetch_pages=a.prefetch_pages,
-        gathered_merge=a.gathered_merge,
     )
     reports = compile_tile_attention(
         dtype=getattr(torch, a.dtype),

@@ -31,7 +31,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from flashmodel_kernels.paged_attention import PAGE_SIZE, compiled_variants, paged_attention, precompile
+from flashmodel_kernels.paged_attention import paged_attention
+from flashmodel_kernels.plan import PAGE_SIZE
+from flashmodel_kernels.variants import compiled_variants, precompile
 
 __all__ = ["TileAttentionBackend", "TileAttentionImpl", "TileAttentionMetadataBuilder"]
 

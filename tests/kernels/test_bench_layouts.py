@@ -1,25 +1,17 @@
-"""The benchmark's layout experiment measures what it says: consecutive pages, and a gather of the scattered ones."""
+"""The benchmark's layout baselines measure what they say: consecutive pages, and a gather of the scattered ones."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-import pytest
 import torch
+from flashmodel_kernels.reference import relative_error
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "kernels"))
-from bench_attention import (
+from bench.kernels.bench_attention import (
     contiguous_pages,
     decode_inputs,
     decode_reference,
-    floor_kernel,
     gather_kernel,
     tile_kernel,
 )
-from flashmodel_kernels.paged_attention import LaunchConfig
-from flashmodel_kernels.reference import relative_error
-from load_floor import load_floor
 
 
 def test_contiguous_pages_are_consecutive_and_attention_on_them_is_exact(device: str) -> None:
@@ -48,26 +40,3 @@ def test_gather_reads_the_tables_pages_in_order_and_moves_the_copys_bytes(device
         target.fill_(float("nan"))
         run(copy)
         assert torch.equal(target, x.keys[x.tables[copy].flatten().long()])
-
-
-@pytest.mark.parametrize(("splits", "block_n"), [(1, 16), (3, 32), (5, 64)])
-def test_load_floor_reads_exactly_the_pages_a_split_launch_reads(splits: int, block_n: int, device: str) -> None:
-    # Its sums per (sequence, kv head, split) must be the sums of exactly the keys and values of
-    # that split's range; a wrong page, a key past seq_len or a missed tile changes a sum.
-    x = decode_inputs(3, 75, (6, 2, 64), torch.float16, torch.device(device))
-    x.seq_lens[1] = 40  # one shorter sequence: its later splits are empty and must sum to zero
-    config = LaunchConfig(block_q=2, block_n=block_n, num_splits=splits)
-    copy = x.copies - 1
-    floor_kernel(x, config)(copy)  # what the benchmark times: runs on its inputs
-    got = load_floor(x.keys, x.values, x.tables[copy], x.seq_lens, config)
-    for seq, seq_len in enumerate(x.seq_lens.tolist()):
-        tiles = -(-seq_len // block_n)
-        per_split = -(-tiles // splits)
-        for split in range(splits):
-            begin = min(seq_len, split * per_split * block_n)
-            end = min(seq_len, (split + 1) * per_split * block_n)
-            pos = torch.arange(begin, end, device=x.keys.device)
-            pages = x.tables[copy][seq, pos // 16].long()
-            for cache, which in ((x.keys, 0), (x.values, 1)):
-                want = cache[pages, pos % 16].float().sum(dim=0)  # [kv_heads, head_dim]
-                torch.testing.assert_close(got[seq, :, split, which], want, rtol=1e-4, atol=1e-3)

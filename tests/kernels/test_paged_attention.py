@@ -7,18 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from flashmodel_kernels.paged_attention import (
-    _ARRIVALS,
+from flashmodel_kernels.paged_attention import _ARRIVALS, paged_attention
+from flashmodel_kernels.plan import (
     MAX_FUSED_SPLITS,
     MAX_FUSED_SPLITS_NARROW,
     WIDE_BLOCK_N,
     LaunchConfig,
-    compiled_variants,
-    launch_variant,
-    paged_attention,
     plan_launch,
-    precompile,
-    serving_variants,
 )
 from flashmodel_kernels.reference import (
     PagedBatch,
@@ -26,6 +21,7 @@ from flashmodel_kernels.reference import (
     reference_attention,
     relative_error,
 )
+from flashmodel_kernels.variants import compiled_variants, launch_variant, precompile, serving_variants
 
 # ‖out − ref‖/‖ref‖ bounds: a correct kernel lands at the output dtype's rounding (about 2.5e-4
 # for fp16, 2e-3 for bf16, seen here); a softmax that loses one tile is off by 1e-1 or more.
@@ -160,57 +156,6 @@ def test_decode_path_equals_the_searching_path(
     assert torch.equal(decode, loose_bound), note
 
 
-@pytest.mark.parametrize(
-    ("splits", "block_n", "stages"), [(1, 16, 2), (1, 64, 3), (3, 32, 3), (2, 128, 3), (17, 16, 2)]
-)
-@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 37, 1, 2]])
-def test_prefetched_pages_equal_the_plain_loop(
-    splits: int, block_n: int, stages: int, query_lens: list[int], device: str, generator: torch.Generator
-) -> None:
-    # Reading each tile's page numbers one step ahead changes when memory is read, not what is
-    # computed: the output must be identical, on the decode and the searching path, split or not,
-    # with the double-buffered pipeline (3 stages) the prefetch lets the compiler build.
-    batch, note = make(query_lens, [300, 19, 150, 0], group=7, device=device, generator=generator)
-    config = LaunchConfig(block_q=2, block_n=block_n, num_splits=splits, num_stages=stages, fuse_merge=splits <= 5)
-    plain = run_and_check(batch, torch.float16, note, config)
-    prefetched = run_and_check(batch, torch.float16, note, replace(config, prefetch_pages=True))
-    assert torch.equal(plain, prefetched), note
-
-
-@pytest.mark.parametrize("splits", [2, 3, 5, 8])
-@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 37, 1, 2]])
-def test_gathered_merge_equals_the_merge_loop(
-    splits: int, query_lens: list[int], device: str, generator: torch.Generator
-) -> None:
-    # Loading every split at once and weighting them from one log-sum maximum computes the same
-    # merge as the running rescale, up to fp32 rounding: on the decode and the searching path,
-    # with an empty context (a sequence whose later splits hold no key) and a split count that
-    # is not a power of two (padding splits must weigh nothing).
-    batch, note = make(query_lens, [300, 19, 150, 0], group=7, device=device, generator=generator)
-    config = LaunchConfig(block_q=2, block_n=16, num_splits=splits, fuse_merge=True)
-    for _ in range(2):  # the merging program zeroes its counter: a second call must work as well
-        loop = run_and_check(batch, torch.float16, note, config)
-        gathered = run_and_check(batch, torch.float16, note, replace(config, gathered_merge=True))
-        torch.testing.assert_close(gathered, loop, rtol=2e-3, atol=2e-3, msg=note)
-        assert all(int(c.count_nonzero()) == 0 for c in _ARRIVALS.values()), "an arrival counter was left set"
-    merged_apart = run_and_check(batch, torch.float16, note, replace(config, fuse_merge=False, gathered_merge=True))
-    torch.testing.assert_close(merged_apart, loop, rtol=2e-3, atol=2e-3, msg=note)
-
-
-def test_gathered_merge_compiles_once_per_padded_split_count() -> None:
-    base = LaunchConfig(block_q=2, block_n=64, num_splits=3, fuse_merge=True)
-    assert launch_variant(base, decode_batch=True).gathered_merge_pad == 0  # the loop: any count
-    three = launch_variant(replace(base, gathered_merge=True), decode_batch=True)
-    four = launch_variant(replace(base, num_splits=4, gathered_merge=True), decode_batch=True)
-    five = launch_variant(replace(base, num_splits=5, gathered_merge=True), decode_batch=True)
-    assert three == four and three.gathered_merge_pad == 4 and five.gathered_merge_pad == 8
-    # Without the fused merge nothing gathers: the merge kernel runs, as without the flag.
-    apart = replace(base, fuse_merge=False)
-    assert launch_variant(replace(apart, gathered_merge=True), decode_batch=True) == launch_variant(
-        apart, decode_batch=True
-    )
-
-
 def test_separate_contiguous_caches(device: str, generator: torch.Generator) -> None:
     # Two contiguous tensors instead of vLLM 0.26's packed one: only the strides differ.
     batch, note = make([1, 5], [33, 64], group=6, device=device, generator=generator, packed_kv=False)
@@ -299,8 +244,9 @@ class TestPlanLaunch:
         assert self.plan(num_seqs=256, num_tokens=256).num_splits == 1
 
     def test_decode_path_and_fused_merge_where_they_were_measured_faster(self) -> None:
-        # H200 runs 5a/5b and 6: both faster on split launches of 2-5 parts; unsplit, the decode
-        # path is faster up to 512 programs (7B batch 128) and slower at 1024 (7B batch 256).
+        # Measured on an H200 (MAX_FUSED_SPLITS, DECODE_PATH_MAX_PROGRAMS_PER_SM): both faster on
+        # split launches of 2-5 parts; unsplit, the decode path is faster up to 512 programs
+        # (7B batch 128) and slower at 1024 (7B batch 256).
         split = self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024)
         assert 1 < split.num_splits <= MAX_FUSED_SPLITS_NARROW
         assert split.decode_path and split.fuse_merge
@@ -308,7 +254,7 @@ class TestPlanLaunch:
         assert whole.num_splits == 1 and not whole.decode_path and not whole.fuse_merge
         half = self.plan(num_seqs=128, num_tokens=128, num_kv_heads=4, queries_per_kv=7)
         assert half.num_splits == 1 and half.decode_path and not half.fuse_merge
-        # 9 splits of 64-key tiles (1.5B batch 16): the merge kernel was faster there.
+        # 9 splits of 64-key tiles (1.5B batch 16): the merge kernel is faster there.
         nine = self.plan(num_seqs=16, num_tokens=16, max_seq_len=1024)
         assert nine.num_splits == 9 and nine.block_n == 64 and not nine.fuse_merge
         # Far more splits than were timed fused go to the merge kernel.
@@ -316,7 +262,8 @@ class TestPlanLaunch:
         assert many.num_splits > MAX_FUSED_SPLITS and many.decode_path and not many.fuse_merge
 
     def test_wide_tiles_only_where_they_were_measured_faster(self) -> None:
-        # H200 run 6: 128-key tiles faster at >= 3 splits of >= 128 keys, slower at 1-2 splits.
+        # Measured on an H200 (WIDE_BLOCK_N): 128-key tiles faster at >= 3 splits of >= 128 keys,
+        # slower at 1-2 splits.
         wide = {"wide_tiles": True}
         five = self.plan(num_seqs=32, num_tokens=32, max_seq_len=1024, **wide)
         assert (five.num_splits, five.block_n, five.fuse_merge) == (5, WIDE_BLOCK_N, True)
@@ -340,8 +287,8 @@ class TestPlanLaunch:
         assert self.plan(max_seq_len=300, min_tokens_per_split=256).num_splits == 1
 
     def test_rule_in_use_matches_the_measured_h200_run(self) -> None:
-        # docs/benchmarks.md (issue 5, H200 run 2): the table there was measured at these picks
-        # (1.5B: 2 kv heads, GQA 6, 132 SMs). (splits, block_n):
+        # The split rule's decode table (bench/kernels/results/h200-2026-12-02-run2) was measured
+        # at these picks (1.5B: 2 kv heads, GQA 6, 132 SMs). (splits, block_n):
         picks = {
             (1, 512): (16, 32),  # 2 programs: 512 // 32 = 16 splits of 32 keys, 32-key tiles
             (1, 1024): (32, 32),  # MAX_SPLITS

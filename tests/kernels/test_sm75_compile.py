@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import pytest
 import torch
-from flashmodel_kernels.paged_attention import LaunchConfig, plan_launch
+from flashmodel_kernels.plan import LaunchConfig, plan_launch
 from flashmodel_kernels.targets import (
     T4_SHARED_MEMORY_BYTES,
     EngineLayout,
@@ -49,11 +48,9 @@ def test_fp16_kernels_fit_a_t4(head_dim: int, queries_per_kv: int, max_query_len
         assert report.tf32_instructions == 0, report
 
 
-@pytest.mark.parametrize("gathered_merge", [False, True])
-def test_fused_merge_compiles_for_a_t4_as_one_kernel(gathered_merge: bool) -> None:
-    # The merge folded into the attention kernel (an acq_rel atomic: sm_70 and later), with the
-    # splits read one after another (in use) or all at once (the gathered-merge experiment).
-    config = LaunchConfig(block_q=2, block_n=32, num_splits=4, fuse_merge=True, gathered_merge=gathered_merge)
+def test_fused_merge_compiles_for_a_t4_as_one_kernel() -> None:
+    # The merge folded into the attention kernel (an acq_rel atomic: sm_70 and later).
+    config = LaunchConfig(block_q=2, block_n=32, num_splits=4, fuse_merge=True)
     reports = compile_tile_attention(dtype=torch.float16, head_dim=128, queries_per_kv=6, config=config, decode=True)
     assert [r.kernel for r in reports] == ["_paged_attention_kernel"]
     assert reports[0].shared_bytes <= T4_SHARED_MEMORY_BYTES, reports[0]
@@ -149,33 +146,3 @@ def test_report_compiles_the_kernel_a_launch_runs() -> None:
     ptx = launched[0].asm["ptx"]
     assert report.shared_bytes == launched[0].metadata.shared, (report, launched[0].metadata.shared)
     assert report.async_copies == sum(1 for line in ptx.splitlines() if "cp.async" in line), report
-
-
-def _loads(tail: str) -> int:
-    return sum(int(n or 1) for n in re.findall(r"L(\d*)", tail))
-
-
-def test_gathered_merge_issues_every_splits_loads_without_a_loop() -> None:
-    # The machine code after the arrival atomic (nvdisasm of the sm_90 compile): the merge in use
-    # loads one split per loop iteration, each load waited for before the next iteration's; the
-    # gathered merge is straight-line code with every split's loads in it.
-    config = LaunchConfig(block_q=2, block_n=128, num_splits=5, fuse_merge=True)
-    layout = EngineLayout(num_kv_heads=2)
-    tails = {}
-    for gathered in (False, True):
-        (report,) = compile_tile_attention(
-            dtype=torch.float16,
-            head_dim=128,
-            queries_per_kv=6,
-            config=replace(config, gathered_merge=gathered),
-            arch=90,
-            decode=True,
-            layout=layout,
-        )
-        tails[gathered] = report.merge_tail
-    if not tails[False]:
-        pytest.skip("Triton's nvdisasm is not installed")
-    before_store = {g: t.split("S")[0] for g, t in tails.items()}
-    assert "|" in before_store[False].split("L", 1)[1], tails  # a branch back after the first load
-    assert "|" not in before_store[True], tails
-    assert _loads(before_store[True]) >= config.num_splits + 1, tails  # every split's, and the log-sums
