@@ -168,7 +168,11 @@ SOURCE_CRD = "crds/flashmodel.yaml"
 CHART_CRD = "charts/flashmodel-operator/files/crds/flashmodel.yaml"
 # Where the generated block sits in the CRD file: the `spec:` property of openAPIV3Schema.
 _SPEC_INDENT = 12
-_WIDTH = 110
+# PyYAML breaks a folded line at the first space past the width, so lines run one word beyond it.
+_WIDTH = 100
+# Texts longer than this go on their own lines: at the schema's deeper levels a longer one would run
+# past _WIDTH beside its key.
+_FOLD_AT = 76
 
 
 class _Dumper(yaml.SafeDumper):
@@ -184,12 +188,12 @@ class _CEL(str):
 
 
 def _cel(dumper: yaml.SafeDumper, value: _CEL) -> yaml.ScalarNode:
-    return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style="|" if len(value) > 60 else None)
+    return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style="|" if len(value) > _FOLD_AT else None)
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
     # Long texts fold over lines (kubectl explain joins them again); short ones stay on their key's line.
-    style = ">" if len(value) > 60 and "\n" not in value else None
+    style = ">" if len(value) > _FOLD_AT and "\n" not in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
