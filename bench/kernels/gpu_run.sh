@@ -34,8 +34,10 @@ FLASHMODEL_TILE_VERIFY=1 timeout 420 python3 -m vllm.entrypoints.openai.api_serv
   --enforce-eager --attention-backend CUSTOM --port 8000 > "$OUT/vllm_tile.log" 2>&1 &
 SP=$!
 fi
-PYTHONPATH=/tmp/site:kernels timeout 200 python3 -m pytest tests/kernels -q -p no:cacheprovider -o addopts="" \
-  --rootdir=tests/kernels -c /dev/null > "$OUT/pytest_gpu.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest_gpu.txt"
+# From the repository root: the root conftest.py puts the kernel tests in the engine tier, which
+# needs torch, Triton and vLLM importable here (vLLM from /tmp/site).
+PYTHONPATH=/tmp/site:kernels:. timeout 200 python3 -m pytest tests/kernels -q -p no:cacheprovider \
+  > "$OUT/pytest_gpu.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest_gpu.txt"
 stamp "pytest: $(tail -n 2 "$OUT/pytest_gpu.txt" | tr '\n' ' ')"
 if [ "${SKIP_VLLM:-0}" != 1 ]; then
 for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; kill -0 $SP 2>/dev/null || break; sleep 2; done
