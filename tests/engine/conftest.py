@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Path:
+def tiny_model(engine_packages: None) -> Path:
+    """The tiny Qwen2 checkpoint; building it takes torch and transformers, so its tests are engine tier."""
     return build_tiny_model()
 
 

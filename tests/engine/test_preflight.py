@@ -188,6 +188,8 @@ def test_preflight_cli_and_termination_message(model_copy: Path, tmp_path: Path)
     assert "max_position_embeddings is 1024" in (tmp_path / "termination-log").read_text()
 
 
+# The launcher checks the installed vLLM before anything else, so these need the engine venv.
+@pytest.mark.usefixtures("engine_packages")
 def test_launch_refuses_a_bad_config_before_starting_vllm(tmp_path: Path) -> None:
     cfg = tmp_path / "engine.yaml"
     cfg.write_text("accelerator: t4\nmodel: {path: /m, servedName: m}\nengine: {blockSize: 32}\n")
@@ -212,6 +214,8 @@ LAUNCH_BYPASSES = [
 ]
 
 
+# The launcher checks the installed vLLM before anything else, so these need the engine venv.
+@pytest.mark.usefixtures("engine_packages")
 @pytest.mark.parametrize(("extra", "flag"), LAUNCH_BYPASSES, ids=[" ".join(b[0]) for b in LAUNCH_BYPASSES])
 def test_launch_refuses_an_abbreviated_enforced_flag_before_starting_vllm(
     tmp_path: Path, extra: list[str], flag: str

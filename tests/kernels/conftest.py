@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="engine tier: the kernels need torch and Triton (the engine venv)")
 import torch
 
 # Triton reads TRITON_INTERPRET when it is imported and when a kernel is decorated, so this
 # must precede the first import of triton (and of flashmodel_kernels) in the session.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="engine tier: the kernels need Triton (the engine venv)")
 
 
 @pytest.fixture(autouse=True)
