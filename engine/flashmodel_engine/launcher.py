@@ -16,12 +16,13 @@ from flashmodel_engine.engine_version import check_installed_vllm
 
 log = logging.getLogger("flashmodel.launcher")
 
-TERMINATION_LOG = os.environ.get("FLASHMODEL_TERMINATION_LOG", "/dev/termination-log")
+TERMINATION_LOG_ENV = "FLASHMODEL_TERMINATION_LOG"
+"""Where the termination message goes instead of the kubelet's default path (tests and benchmarks)."""
 
 
 def write_termination_message(message: str, path: str | None = None) -> None:
     """Kubernetes shows this file's content as the container's termination reason."""
-    target = Path(path or TERMINATION_LOG)
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
     try:
         with target.open("w") as f:
             f.write(message[-4000:])  # the kubelet keeps at most 4096 bytes

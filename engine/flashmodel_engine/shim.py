@@ -26,7 +26,7 @@ log = logging.getLogger("flashmodel.shim")
 
 # Never an empty prompt: vLLM answers 400 and a probe built on that restarts healthy pods.
 READINESS_PROMPT = "ready"
-SAMPLE_INTERVAL_SECONDS = float(os.environ.get("FLASHMODEL_SAMPLE_INTERVAL_SECONDS", "2"))
+SAMPLE_INTERVAL_ENV = "FLASHMODEL_SAMPLE_INTERVAL_SECONDS"
 PREWARM_BODY_KEYS = {"requests", "prompts"}
 
 
@@ -87,6 +87,8 @@ class EngineShim:
         """What POST /prewarm must carry: the port also serves the kubelet's probes and the Service."""
         if config.server.control_token_file is not None:
             self.control_token = Path(config.server.control_token_file).read_text().strip()
+        self.sample_interval_seconds = float(os.environ.get(SAMPLE_INTERVAL_ENV, "2"))
+        """How often memory and vLLM's metrics are sampled; read when the pod starts (tests sample faster)."""
         self.metrics = EngineMetrics(config.remediation)
         self.memory = MemoryReader()
         self.started = False
@@ -283,7 +285,7 @@ class EngineShim:
 
     async def _sample_loop(self) -> None:
         while True:
-            await asyncio.sleep(SAMPLE_INTERVAL_SECONDS)
+            await asyncio.sleep(self.sample_interval_seconds)
             try:
                 await self.sample_once()
             except Exception as e:  # a failed sample must not end sampling for the pod's life

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from flashmodel_operator.remediation import (
 from flashmodel_operator.remediation import (
     decide as decide_remediation,
 )
+from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient
 
 if TYPE_CHECKING:
@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 30.0
 """How long a drained pod may finish its in-flight requests before it is evicted anyway (the engine drains too)."""
-ENDPOINT_PROPAGATION_SECONDS = float(os.environ.get("FLASHMODEL_ENDPOINT_PROPAGATION_SECONDS", "5"))
-"""After the endpoint left the EndpointSlice, time for proxies and clients to stop using it."""
 
 REMEDIATIONS = Counter("flashmodel_operator_remediations_total", "Pods drained and evicted", ["reason"])
 # Every label value exported from the start at 0, so rate() and increase() see the first one.
@@ -54,6 +52,7 @@ async def decide(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, now:
         # (which counts any gate set True, kwok's included).
         ready_pods=serving_pods(pods),
         desired_pods=spec.replicas,
+        backoff_seconds=current().remediation_backoff_seconds,
     )
     decision = decide_remediation(pods, budget, spec.remediation, now)
     if decision is None or decision.action == "evict":
@@ -106,7 +105,7 @@ async def remediate(watch: PodWatch, fm: dict[str, Any], shim: ShimClient, decis
         if shim.pod_ip not in routed:
             break
         await asyncio.sleep(0.5)
-    await asyncio.sleep(max(0.0, min(ENDPOINT_PROPAGATION_SECONDS, deadline - time.monotonic())))
+    await asyncio.sleep(max(0.0, min(current().endpoint_propagation_seconds, deadline - time.monotonic())))
     while time.monotonic() < deadline:
         metrics = await shim.metrics()
         if metrics is None or metrics.requests_running + metrics.requests_waiting == 0:

@@ -16,7 +16,6 @@ from flashmodel_operator.eviction import decide, remediate
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.model_status import write_pod_records
 from flashmodel_operator.pod_state import (
-    POLL_SECONDS,
     PodRecord,
     container_restarts,
     gate_is_true,
@@ -26,6 +25,7 @@ from flashmodel_operator.pod_state import (
 from flashmodel_operator.prewarm_gate import prewarm
 from flashmodel_operator.remediation import PodHealth
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
+from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class PodWatch:
                     # One failed read must not end the watch (kopf would restart it only after a back-off):
                     # look again soon, a little later each time while the API keeps failing.
                     failures += 1
-                    delay = min(POLL_SECONDS, 0.5 * 2 ** min(failures, 4))
+                    delay = min(current().monitor_seconds, 0.5 * 2 ** min(failures, 4))
                     log.warning(
                         "event=pod-watch-retry model=%s/%s pod=%s failures=%d error=%s",
                         self.namespace,
@@ -120,7 +120,7 @@ class PodWatch:
         try:
             spec = FlashModelSpec.model_validate(fm.get("spec") or {})
         except ValidationError:
-            return POLL_SECONDS  # the reconcile reports the spec problem
+            return current().monitor_seconds  # the reconcile reports the spec problem
         if self.state.control_token is None:
             # The Secret is made before the Deployment and lives as long as the model: read it once.
             self.state.control_token = await self.api(
@@ -188,7 +188,7 @@ class PodWatch:
             async with self.state.lock:
                 if self.state.in_flight == decision.pod:
                     self.state.in_flight = None  # its own watch picks it up on its next step
-        return POLL_SECONDS
+        return current().monitor_seconds
 
     async def set_gate(self, value: bool, reason: str, message: str) -> None:
         await self.api(self.cluster.set_pod_condition, self.namespace, self.name, PREWARM_GATE, value, reason, message)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import aiohttp
@@ -19,13 +18,15 @@ from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, forget_model, reconcile, referenced_secrets
+from flashmodel_operator.settings import current
 from flashmodel_operator.tracing import traced
 
 log = logging.getLogger(__name__)
 
-RESYNC_SECONDS = float(os.environ.get("FLASHMODEL_RESYNC_SECONDS", "60"))
-HANDLER_BACKOFF_SECONDS = float(os.environ.get("FLASHMODEL_HANDLER_BACKOFF_SECONDS", "2"))
-"""How soon kopf runs a failed handler again (its default is 60 s: one dropped request cost a minute)."""
+# kopf takes these when it imports this module, which `python -m flashmodel_operator` does after it
+# read the environment (settings.load).
+RESYNC_SECONDS = current().resync_seconds
+HANDLER_BACKOFF_SECONDS = current().handler_backoff_seconds
 _OWNED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 _cluster: Cluster | None = None
@@ -58,7 +59,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 0.5
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    port = int(os.environ.get("FLASHMODEL_METRICS_PORT", "8090"))
+    port = current().metrics_port
     if port:
         start_http_server(port)  # flashmodel_operator_* for Prometheus
 

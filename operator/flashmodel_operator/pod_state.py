@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from flashmodel_operator.conditions import READY
 from flashmodel_operator.remediation import PodHealth
 from flashmodel_operator.render import PREWARM_GATE
-
-POLL_SECONDS = float(os.environ.get("FLASHMODEL_MONITOR_SECONDS", "5"))
-"""How often each pod's watch looks at it."""
 
 
 @dataclass

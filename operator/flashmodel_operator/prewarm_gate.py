@@ -11,8 +11,9 @@ from prometheus_client import Counter
 from flashmodel_operator.eviction import decide, evict_and_record
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.model_status import now_iso
-from flashmodel_operator.pod_state import POLL_SECONDS, PodRecord, container_restarts
+from flashmodel_operator.pod_state import PodRecord, container_restarts
 from flashmodel_operator.remediation import PodHealth
+from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ async def prewarm(
 ) -> float | None:
     """One prewarm attempt on a pod whose gate is closed; the seconds until the next look, or None when replaced."""
     if watch.state.in_flight == watch.name:
-        return POLL_SECONDS  # being drained: the gate stays off
+        return current().monitor_seconds  # being drained: the gate stays off
     if not await shim.started():
         return 2.0  # still loading; the startup probe owns the deadline
     record = watch.state.pods.setdefault(watch.name, PodRecord())
@@ -41,7 +42,7 @@ async def prewarm(
         await watch.set_gate(True, "PrewarmDisabled", "spec.prewarm.enabled is false")
         record.prewarmed, record.reason = True, "PrewarmDisabled"
         await watch.write_pods_status()
-        return POLL_SECONDS
+        return current().monitor_seconds
     if watch.prewarm_failure is not None:
         return await replace_unprewarmed(watch, fm, spec)
     started = time.monotonic()
@@ -70,7 +71,7 @@ async def prewarm(
             time.monotonic() - started,
         )
         await watch.write_pods_status()
-        return POLL_SECONDS
+        return current().monitor_seconds
     PREWARMS.labels(result="failed").inc()
     if result.get("status") == 401:
         # A model deleted and made again under its name has a new token: read it again.
@@ -115,7 +116,7 @@ async def replace_unprewarmed(watch: PodWatch, fm: dict[str, Any], spec: FlashMo
         if decision is not None and decision.action == "evict":
             watch.state.in_flight = decision.pod
     if decision is None or decision.action != "evict":
-        return POLL_SECONDS  # held (the event says why); asked again on the next look
+        return current().monitor_seconds  # held (the event says why); asked again on the next look
     replaced = f"pod {watch.name} replaced after {decision.message}"
     await watch.api(watch.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
     await evict_and_record(watch, fm, decision)

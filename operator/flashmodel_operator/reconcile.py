@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import os
 import secrets
 import threading
 import time
@@ -35,6 +34,7 @@ from flashmodel_operator.render import (
     render_pod_template,
     selector_string,
 )
+from flashmodel_operator.settings import current
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,6 @@ RETRY_ANNOTATION = f"{GROUP}/retry"
 
 # One pass per FlashModel at a time: the timer, spec changes and child events all reconcile.
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
-TRANSIENT_GRACE_SECONDS = float(os.environ.get("FLASHMODEL_TRANSIENT_GRACE_SECONDS", "30"))
-"""How long transient API failures (after the client's own retries) may last before a model shows Degraded."""
 _failing_since: dict[tuple[str, str], float] = {}
 MODEL_REPLICAS = Gauge(
     "flashmodel_operator_model_replicas",
@@ -129,11 +127,11 @@ def reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
 
 
 def _still_transient(exc: Exception, key: tuple[str, str]) -> bool:
-    """A transient failure not yet lasting TRANSIENT_GRACE_SECONDS: retried quietly, no Degraded."""
+    """A transient failure not yet lasting transient_grace_seconds: retried quietly, no Degraded."""
     if not transient(exc):
         return False
     since = _failing_since.setdefault(key, time.monotonic())
-    return time.monotonic() - since < TRANSIENT_GRACE_SECONDS
+    return time.monotonic() - since < current().transient_grace_seconds
 
 
 def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,8 +14,6 @@ PREWARM_FAILED = "PrewarmFailed"
 # The engine already requires divergence to be sustained over its window; the operator adds
 # its own short confirmation so one stale or flapping scrape never evicts a pod.
 CONFIRM_SECONDS = 15.0
-# After one remediation the next waits at least this long (and for the replacement's readiness).
-BACKOFF_SECONDS = float(os.environ.get("FLASHMODEL_REMEDIATION_BACKOFF_SECONDS", "60"))
 
 
 @dataclass(frozen=True)
@@ -56,6 +53,8 @@ class ModelBudget:
     ready_pods: int
     """Pods the operator itself saw prewarm that pass readiness now."""
     desired_pods: int
+    backoff_seconds: float = 60.0
+    """After one remediation the next waits at least this long (and for the replacement's readiness)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def decide(pods: list[PodHealth], budget: ModelBudget, spec: RemediationSpec, no
             f"{budget.restarts_last_hour} remediations in the last hour reach "
             f"spec.remediation.maxRestartsPerHour={spec.max_restarts_per_hour}; {reason}: {message}",
         )
-    if budget.seconds_since_last is not None and budget.seconds_since_last < BACKOFF_SECONDS:
+    if budget.seconds_since_last is not None and budget.seconds_since_last < budget.backoff_seconds:
         return Decision("hold", "BackingOff", pod.name, f"last remediation {budget.seconds_since_last:.0f}s ago")
     # A serving pod is taken out only when the others carry the model: a hung one serves nobody anyway.
     if (

@@ -15,10 +15,10 @@ from typing import Any, Literal
 import aiohttp
 import pytest
 import urllib3
-from flashmodel_operator import gating
-from flashmodel_operator import reconcile as reconcile_module
+from flashmodel_operator import gating, settings
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.reconcile import reconcile
+from flashmodel_operator.settings import OperatorSettings
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
@@ -152,7 +152,7 @@ def test_a_transient_failure_marks_no_model_degraded_until_it_lasts(monkeypatch:
         reconcile(cluster, _body("flaky"))
     assert cluster.status_patches == [], "a transient failure wrote Degraded at once"
     # Lasting past the grace period it is a problem worth showing.
-    monkeypatch.setattr(reconcile_module, "TRANSIENT_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(settings, "_current", OperatorSettings(transient_grace_seconds=0.0))
     with pytest.raises(ApiException):
         reconcile(cluster, _body("flaky"))
     degraded = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Degraded")
@@ -178,7 +178,7 @@ class DroppingCluster(Cluster):
 
 async def test_a_failed_read_does_not_end_a_pods_watch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen: one failed GET stopped a pod's watcher for kopf's 60 s daemon back-off.
-    monkeypatch.setattr(gating, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(settings, "_current", OperatorSettings(monitor_seconds=0.05))
     cluster = DroppingCluster(failures=3)
     async with aiohttp.ClientSession() as session:
         watch = gating.PodWatch(cluster, session, "ns-faults", "qwen-a", "qwen")

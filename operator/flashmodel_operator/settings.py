@@ -1,0 +1,70 @@
+"""The operator's timings from its environment, read once when it starts (`python -m flashmodel_operator`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Each field has an environment variable: FLASHMODEL_ and the field's name in upper case."""
+
+    monitor_seconds: float = 5.0
+    """How often each engine pod's watch looks at it."""
+    endpoint_propagation_seconds: float = 5.0
+    """After a drained pod's address left the EndpointSlices, time for proxies and clients to stop using it."""
+    remediation_backoff_seconds: float = 60.0
+    """After one remediation of a model, the next waits at least this long."""
+    transient_grace_seconds: float = 30.0
+    """How long transient API failures (after the client's own retries) may last before a model shows Degraded."""
+    resync_seconds: float = 60.0
+    """The period of each model's reconcile timer."""
+    handler_backoff_seconds: float = 2.0
+    """How soon kopf runs a failed handler again (its default is 60 s: one dropped request cost a minute)."""
+    metrics_port: int = 8090
+    """The operator's own /metrics; 0 turns it off."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> OperatorSettings:
+        values: dict[str, float | int] = {}
+        for f in dataclasses.fields(cls):
+            name = f"FLASHMODEL_{f.name.upper()}"
+            raw = environ.get(name)
+            if raw is None or raw.strip() == "":
+                continue
+            kind = int if f.type in (int, "int") else float
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ValueError(
+                    f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}; "
+                    f"unset it for the default {f.default}"
+                ) from None
+            if value < 0:
+                raise ValueError(f"{name}={raw!r} is negative; give 0 or more, or unset it for {f.default}")
+            values[f.name] = value
+        return cls(**values)  # type: ignore[arg-type]
+
+
+_current = OperatorSettings()
+
+
+def current() -> OperatorSettings:
+    """The settings the operator started with (the defaults where it was not started by `load`)."""
+    return _current
+
+
+def load(environ: Mapping[str, str] | None = None) -> OperatorSettings:
+    """Read the environment once, at start-up, before the handlers module is imported."""
+    global _current
+    _current = OperatorSettings.from_environ(os.environ if environ is None else environ)
+    return _current
+
+
+def use(settings: OperatorSettings) -> None:
+    """Install settings directly (tests that need shorter timings)."""
+    global _current
+    _current = settings
