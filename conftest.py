@@ -34,15 +34,21 @@ CONTROL_PLANE_FIXTURES = frozenset({"testbin"})
 ENGINE_FIXTURES = frozenset({"engine_packages", "engine_python"})
 ENGINE_PACKAGES = ("torch", "triton", "vllm")
 # Modules of this checkout, followed when looking for what a test module's import reaches.
-PROJECT_PACKAGES = frozenset({"flashmodel_operator", "flashmodel_engine", "flashmodel_kernels", "bench", "tests",
-                              "e2e"})
+PROJECT_PACKAGES = frozenset(
+    {"flashmodel_operator", "flashmodel_engine", "flashmodel_kernels", "bench", "tests", "e2e"}
+)
 # Hand-placed markers that say the same as the fixtures, for a test that starts a part itself.
 NEEDS_MARKERS = {"e2e": "control-plane", "vllm": "engine"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--tier", action="append", choices=TIERS, default=[],
-                     help="run only the tests of this tier (repeatable): " + ", ".join(TIERS))
+    parser.addoption(
+        "--tier",
+        action="append",
+        choices=TIERS,
+        default=[],
+        help="run only the tests of this tier (repeatable): " + ", ".join(TIERS),
+    )
 
 
 def _reaches_engine_packages(module: ModuleType, seen: set[str]) -> bool:
@@ -69,8 +75,11 @@ def tier_of(item: pytest.Item) -> str:
     marked = {NEEDS_MARKERS[m.name] for m in item.iter_markers() if m.name in NEEDS_MARKERS}
     control_plane = bool(CONTROL_PLANE_FIXTURES & names) or "control-plane" in marked
     module = getattr(item, "module", None)
-    engine = (bool(ENGINE_FIXTURES & names) or "engine" in marked
-              or (module is not None and _reaches_engine_packages(module, set())))
+    engine = (
+        bool(ENGINE_FIXTURES & names)
+        or "engine" in marked
+        or (module is not None and _reaches_engine_packages(module, set()))
+    )
     if control_plane and engine:
         return "e2e"
     return "control-plane" if control_plane else "engine" if engine else "unit"
@@ -81,8 +90,11 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     # In the light venv of the unit tier a module that imports torch, Triton or vLLM cannot be
     # imported at all; it belongs to the engine tier, so it is left out here rather than an error.
     report: pytest.CollectReport = yield
-    if (report.failed and collector.config.getoption("tier") == ["unit"]
-            and isinstance(collector, pytest.Module | pytest.Package)):
+    if (
+        report.failed
+        and collector.config.getoption("tier") == ["unit"]
+        and isinstance(collector, pytest.Module | pytest.Package)
+    ):
         text = str(report.longrepr)
         for package in ENGINE_PACKAGES:
             if f"No module named '{package}" in text:
@@ -126,8 +138,10 @@ def engine_packages() -> None:
     """torch, Triton and vLLM importable in this interpreter: the test runs in the engine venv."""
     absent = [p for p in ENGINE_PACKAGES if importlib.util.find_spec(p) is None]
     if absent:
-        missing_part(f"{', '.join(absent)} not importable by {sys.executable}: run scripts/setup-engine.sh "
-                     f"and pytest with {engine_venv_python()}")
+        missing_part(
+            f"{', '.join(absent)} not importable by {sys.executable}: run scripts/setup-engine.sh "
+            f"and pytest with {engine_venv_python()}"
+        )
 
 
 @pytest.fixture(scope="session")
