@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -86,7 +86,9 @@ def tier_of(item: pytest.Item) -> str:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     # In the light venv of the unit tier a module that imports torch, Triton or vLLM cannot be
     # imported at all; it belongs to the engine tier, so it is left out here rather than an error.
     report: pytest.CollectReport = yield

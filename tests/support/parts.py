@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NoReturn
 
 import pytest
 
@@ -12,7 +13,7 @@ def require_all() -> bool:
     return os.environ.get("FLASHMODEL_REQUIRE_ALL") == "1"
 
 
-def missing_part(message: str) -> None:
+def missing_part(message: str) -> NoReturn:
     """Skips the test saying what to run, or fails it where FLASHMODEL_REQUIRE_ALL=1."""
     if require_all():
         pytest.fail(f"FLASHMODEL_REQUIRE_ALL=1 and {message}", pytrace=False)
