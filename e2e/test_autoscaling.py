@@ -148,6 +148,8 @@ def test_the_hpa_reads_the_models_own_series_through_prometheus_and_keda(
 def test_load_at_three_times_the_target_scales_to_two_within_three_minutes(
     control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
 ) -> None:
+    """Slow (minutes): the HPA acts on a rate Prometheus averages over a window, then the second real vLLM
+    engine loads and prewarms (up to ENGINE_START_TIMEOUT on two cores) before the model is Ready 2/2."""
     ns, kubelet, prom, _ = scaling
     wait_for("model Ready with 1 pod", lambda: _ready_with(control_plane, ns, 1), timeout=ENGINE_START_TIMEOUT)
     # Three workers, each starting a request every 3.3 s: 0.9 req/s, 3x the per-replica target.
@@ -189,6 +191,8 @@ def _every_dashboard_query_answers(prom: Prometheus, ns: str) -> None:
 def test_when_the_load_falls_it_scales_back_and_the_removed_pod_loses_no_request(
     control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
 ) -> None:
+    """Slow (a minute or more): the scale-down waits out the HPA's stabilization window
+    (SCALE_DOWN_STABILIZATION) and the removed engine drains its in-flight requests."""
     ns, kubelet, _, _ = scaling
     wait_for("model Ready with 2 pods", lambda: _ready_with(control_plane, ns, 2), timeout=ENGINE_START_TIMEOUT)
     # A trickle of 0.2 req/s, below one replica's target, keeps requests flowing to both pods

@@ -54,6 +54,8 @@ def test_the_script_refuses_an_unknown_argument_and_says_what_it_takes() -> None
 @pytest.mark.slow
 @pytest.mark.usefixtures("testbin")
 def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_request(engine_python: str) -> None:
+    """Slow (about 4 min warm on two cores): the whole demo, a control plane, the operator and two real
+    vLLM engines loading at once, then one engine's memory grows and its replacement loads and prewarms."""
     rc, out, seconds = _demo("--engine-python", engine_python, timeout=900)
     print(f"bench: full demo {seconds:.1f}s")
     assert rc == 0, out[-6000:]

@@ -103,6 +103,8 @@ def namespaces(control_plane: ControlPlane) -> Iterator[tuple[str, str]]:
 def test_thirty_models_converge_within_twice_the_clean_time_under_ten_percent_faults(
     control_plane: ControlPlane, operator: Path, fault_proxy: FaultProxy, namespaces: tuple[str, str]
 ) -> None:
+    """Slow (a few minutes): thirty models converge twice, once clean and once with one API request in ten
+    failing, and the faults then go on for 15 s to show no resync turns them into Degraded."""
     clean_ns, faulty_ns = namespaces
     with DegradedWatch(control_plane, [clean_ns, faulty_ns]) as degraded:
         clean = _converge(control_plane, clean_ns, "clean", timeout=180)

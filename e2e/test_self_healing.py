@@ -124,6 +124,8 @@ def serving(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> 
 def test_prewarm_gates_traffic_then_model_ready(
     control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
 ) -> None:
+    """Slow (minutes) in its set-up: the module's `healing` fixture starts two real vLLM engines on two
+    cores, and this first test waits for both to load and prewarm."""
     ns, kubelet = healing
     running = wait_for("2 engine pods running", lambda: len(kubelet.pods) == 2, timeout=120)
     assert running
@@ -231,6 +233,8 @@ def test_a_flapping_divergence_signal_evicts_nothing(
 def test_diverging_pods_are_replaced_one_at_a_time_without_losing_requests(
     control_plane: ControlPlane, serving: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
+    """Slow (several minutes): one pod at a time, so the second eviction waits for the first pod's
+    replacement, a real vLLM engine, to load and prewarm (ENGINE_START_TIMEOUT on two cores)."""
     ns, kubelet = serving
     diverging = sorted(kubelet.pods)
     evicted_before = operator_metric(REMEDIATED, {"reason": "MemoryDivergence"})
@@ -307,6 +311,8 @@ def _api_time(stamp: str) -> float:
 def test_hung_generations_are_remediated_one_back_off_apart(
     control_plane: ControlPlane, serving: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
+    """Slow (a few minutes): the second eviction must wait out the operator's back-off
+    (REMEDIATION_BACKOFF_SECONDS after the first), and both replacements are real engines loading."""
     ns, kubelet = serving
     evicted_before = operator_metric(REMEDIATED, {"reason": "GenerationHung"})
     before = len(get_json(control_plane, "flashmodel", MODEL, "-n", ns)["status"].get("remediations") or [])
@@ -395,6 +401,8 @@ def test_engine_restart_rearms_the_prewarm_gate(
 def test_the_restart_budget_holds_one_more_remediation(
     control_plane: ControlPlane, healing: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
+    """Slow (minutes): the model must be Ready again after the tests before it (replacement engines loading),
+    then a held remediation is shown by nothing happening for a while."""
     ns, kubelet = healing
     fm = _wait_ready(control_plane, ns)
     # The tests above used the hour's budget: two divergences and two hung generations.
@@ -567,6 +575,8 @@ def test_pods_whose_prewarm_keeps_failing_are_evicted_one_at_a_time_within_the_b
     budget: int,
     earlier: int,
 ) -> None:
+    """Slow (minutes, each case): two real engines load before their prewarms can fail, then the second
+    waits out the back-off (REMEDIATION_BACKOFF_SECONDS) before the budget holds it."""
     ns, _ = engine_namespace
     name = "failwarm"
     replaced_before = _metric_once_served(operator_metric, REMEDIATED, {"reason": "PrewarmFailed"})
