@@ -52,8 +52,8 @@ def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_
     tmp_path: Path, testbin: Path
 ) -> None:
     # A control plane of its own (not the session's): the operator is killed midway through its work.
-    """Slow (a minute or two): a control plane of its own, fifty models' children written, an operator
-    killed midway, and a second one that must converge all fifty."""
+    """Slow (33 s measured on two cores): a control plane of its own, fifty models' children written,
+    an operator killed midway, and a second one that must converge all fifty."""
     with ControlPlane(testbin) as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
         cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io", "--timeout=60s")
