@@ -12,7 +12,8 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
 
 from flashmodel_operator.model import FlashModelSpec
-from flashmodel_operator.model_status import append_remediation, now_iso, restarts_last_hour
+from flashmodel_operator.model_status import history_length, now_iso, restarts_last_hour
+from flashmodel_operator.reconcile import record_remediation
 from flashmodel_operator.remediation import (
     GENERATION_HUNG,
     MEMORY_DIVERGENCE,
@@ -144,7 +145,7 @@ async def _evict_and_record(watch: PodWatch, fm: dict[str, Any], decision: Decis
         "divergenceRatio": round(decision.divergence_ratio, 4),
         "time": now_iso(),
     }
-    await watch.api(append_remediation, watch.cluster, watch.namespace, watch.model, fm, entry)
+    await watch.api(record_remediation, watch.cluster, watch.namespace, watch.model, fm, entry, history_length)
     await watch.api(
         watch.cluster.event,
         fm,

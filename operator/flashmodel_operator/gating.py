@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from flashmodel_operator.apply import Cluster, transient
 from flashmodel_operator.eviction import decide, remediate
 from flashmodel_operator.model import FlashModelSpec
-from flashmodel_operator.model_status import write_pod_records
+from flashmodel_operator.model_status import write_pods
 from flashmodel_operator.pod_state import (
     PodRecord,
     container_restarts,
@@ -194,7 +194,7 @@ class PodWatch:
         await self.api(self.cluster.set_pod_condition, self.namespace, self.name, PREWARM_GATE, value, reason, message)
 
     async def write_pods_status(self) -> None:
-        await write_pod_records(self.cluster, self.namespace, self.model, self.state)
+        await write_pods(self.cluster, self.namespace, self.model, self.state)
 
 
 def model_of(labels: dict[str, str]) -> str | None:

@@ -1,4 +1,4 @@
-"""status.pods and status.remediations of a FlashModel: what the pod watches record, read and written here."""
+"""status.pods and status.remediations of a FlashModel as the pod watches keep them; reconcile writes them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.pod_state import ModelState
+from flashmodel_operator.reconcile import write_pod_records
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +38,14 @@ def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
     return count
 
 
-def append_remediation(cluster: Cluster, namespace: str, model: str, fm: dict[str, Any], entry: dict[str, Any]) -> None:
-    """Add one eviction to status.remediations, on the latest status (the restart budget counts them)."""
-    latest = cluster.get_flashmodel(namespace, model) or fm
-    history = [*((latest.get("status") or {}).get("remediations") or []), entry][-history_length(latest) :]
-    cluster.patch_status(namespace, model, {"remediations": history})
-
-
-async def write_pod_records(cluster: Cluster, namespace: str, model: str, state: ModelState) -> None:
-    """status.pods from the watches' records, written only when they changed."""
+async def write_pods(cluster: Cluster, namespace: str, model: str, state: ModelState) -> None:
+    """status.pods from the watches' records, written (by reconcile's writer) only when they changed."""
     async with state.lock:
         pods = [record.to_status(name) for name, record in sorted(state.pods.items())]
         if pods == state.written:
             return
         state.written = pods
     try:
-        await asyncio.to_thread(cluster.patch_status, namespace, model, {"pods": pods})
+        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods)
     except Exception as exc:  # the model may be gone; the next change writes again
         log.info("event=pods-status-skipped model=%s/%s error=%s", namespace, model, exc)

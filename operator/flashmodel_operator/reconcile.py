@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,6 +402,30 @@ def _reconcile_autoscaler(
     state.status["specReplicas"] = fm.spec.replicas
     new_status["autoscaler"] = state.status
     return state
+
+
+def write_pod_records(cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]]) -> None:
+    """status.pods, for the pod watches: under the model's lock, so it never lands inside a pass."""
+    with _locks[(namespace, name)]:
+        cluster.patch_status(namespace, name, {"pods": pods})
+
+
+def record_remediation(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    fm: dict[str, Any],
+    entry: dict[str, Any],
+    keep: Callable[[dict[str, Any]], int],
+) -> None:
+    """Add one eviction to status.remediations (the restart budget counts them), on the latest status.
+
+    Under the model's lock: the read and the write of the history are one step, with no pass between.
+    """
+    with _locks[(namespace, name)]:
+        latest = cluster.get_flashmodel(namespace, name) or fm
+        history = [*((latest.get("status") or {}).get("remediations") or []), entry][-keep(latest) :]
+        cluster.patch_status(namespace, name, {"remediations": history})
 
 
 def _write_status(
