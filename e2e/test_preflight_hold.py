@@ -14,14 +14,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.harness.operator_run import get_json, wait_for
-
-pytestmark = [pytest.mark.vllm]
 
 MODEL = "narrow-heads"
 
@@ -45,14 +42,11 @@ def _condition(fm: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def test_a_spec_the_launcher_refuses_holds_the_model_at_zero_with_the_launchers_reason(
-    engine_python: str,
-    control_plane: ControlPlane, operator: Path, k8s_namespace: str, tmp_path: Path
+    engine_python: str, control_plane: ControlPlane, operator: Path, k8s_namespace: str, tmp_path: Path
 ) -> None:
     ns = k8s_namespace
     model = _narrow_head_model(tmp_path)
-    with EngineKubelet(
-        control_plane, ns, tmp_path / "kubelet", python=engine_python, env=ENGINE_ENV
-    ) as kubelet:
+    with EngineKubelet(control_plane, ns, tmp_path / "kubelet", python=engine_python, env=ENGINE_ENV) as kubelet:
         doc = cpu_model(ns, MODEL, model, replicas=1, grace_seconds=5)
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
 
