@@ -106,12 +106,18 @@ def pytest_make_collect_report(
     return report
 
 
+TIER_KEY = pytest.StashKey[str]()
+FAILED_TIER = pytest.StashKey[str]()
+DURATIONS = pytest.StashKey[dict[str, dict[str, float]]]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = set(config.getoption("tier"))
     selected: list[pytest.Item] = []
     deselected: list[pytest.Item] = []
     for item in items:
         tier = tier_of(item)
+        item.stash[TIER_KEY] = tier
         item.add_marker(pytest.mark.tier(tier))
         # The marks let `-m "not control_plane"` keep a run free of any cluster.
         if tier in ("control-plane", "e2e"):
@@ -121,7 +127,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (selected if not wanted or tier in wanted else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = selected
+    # Tier by tier, in TIERS order (stable, so each tier keeps its files' order): one run of several
+    # tiers shares the session's control plane and stops at the first tier that fails.
+    items[:] = sorted(selected, key=lambda item: TIERS.index(item.stash[TIER_KEY]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    result = yield
+    failed = item.config.stash.get(FAILED_TIER, None)
+    if failed is not None and (nextitem is None or nextitem.stash.get(TIER_KEY, failed) != failed):
+        item.session.shouldstop = f"the {failed} tier failed, so the tiers after it do not run"
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report: pytest.TestReport = yield
+    tier = item.stash.get(TIER_KEY, "unit")
+    durations = item.config.stash.setdefault(DURATIONS, {})
+    tier_durations = durations.setdefault(tier, {})
+    tier_durations[item.nodeid] = tier_durations.get(item.nodeid, 0.0) + report.duration
+    if report.failed and FAILED_TIER not in item.config.stash:
+        item.config.stash[FAILED_TIER] = tier
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # One run of several tiers: the slowest tests of each tier, so each tier's time is read apart.
+    durations = terminalreporter.config.stash.get(DURATIONS, {})
+    if len(durations) < 2:
+        return
+    for tier in TIERS:
+        if tier not in durations:
+            continue
+        ranked = sorted(durations[tier].items(), key=lambda kv: kv[1], reverse=True)[:10]
+        total = sum(durations[tier].values())
+        terminalreporter.write_sep("=", f"tier {tier}: {len(durations[tier])} tests, {total:.0f} s, slowest 10")
+        for nodeid, seconds in ranked:
+            terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")
 
 
 @pytest.fixture(scope="session")

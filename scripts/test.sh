@@ -111,14 +111,18 @@ setup() {
   fi
 }
 
-# pytest for one tier; "no tests collected" (rc 5: the arguments select none of this tier) is a pass.
-run_tier() {
-  local python=$1 tier=$2 t rc=0
-  shift 2
+# pytest for one or more tiers; one run of several goes tier by tier (conftest.py), sharing one
+# control plane, and stops at the first that fails. "No tests collected" (rc 5: the arguments
+# select none of these tiers) is a pass.
+run_tiers() {
+  local python=$1 t rc=0 selection=()
+  shift
+  while [[ $# -gt 0 && $1 != -- ]]; do selection+=(--tier "$1"); shift; done
+  shift
   t=$(date +%s)
-  log "event=tier tier=$tier python=$python"
-  "$python" -m pytest -q -p no:cacheprovider -rs --durations=25 --tier "$tier" "$@" || rc=$?
-  log "event=tier-done tier=$tier rc=$rc seconds=$(( $(date +%s) - t ))"
+  log "event=tiers tiers=${selection[*]} python=$python"
+  "$python" -m pytest -q -p no:cacheprovider -rs --durations=25 "${selection[@]}" "$@" || rc=$?
+  log "event=tiers-done tiers=${selection[*]} rc=$rc seconds=$(( $(date +%s) - t ))"
   [[ $rc -eq 0 || $rc -eq 5 ]]
 }
 
@@ -166,7 +170,7 @@ if wants unit; then
   elif [[ $needs_setup -eq 0 ]]; then
     log "event=types-skipped why='mypy needs the engine venv: bash scripts/test.sh --setup-only, then again'"
   fi
-  run_tier "$py" unit "$@"
+  run_tiers "$py" unit -- "$@"
 fi
 if [[ $needs_setup -eq 1 ]]; then
   wait_setup
@@ -174,8 +178,10 @@ if [[ $needs_setup -eq 1 ]]; then
     log "event=types"
     mypy
   fi
+  rest=()
   for tier in control-plane engine e2e; do
-    if wants "$tier"; then run_tier python "$tier" "$@"; fi
+    if wants "$tier"; then rest+=("$tier"); fi
   done
+  run_tiers python "${rest[@]}" -- "$@"
 fi
 log "event=done seconds=$(( $(date +%s) - t0 )) tiers=${tiers[*]}"
