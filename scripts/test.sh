@@ -115,14 +115,14 @@ setup() {
 # control plane, and stops at the first that fails. "No tests collected" (rc 5: the arguments
 # select none of these tiers) is a pass.
 run_tiers() {
-  local python=$1 t rc=0 selection=()
+  local python=$1 t rc=0 names=() selection=()
   shift
-  while [[ $# -gt 0 && $1 != -- ]]; do selection+=(--tier "$1"); shift; done
+  while [[ $# -gt 0 && $1 != -- ]]; do names+=("$1"); selection+=(--tier "$1"); shift; done
   shift
   t=$(date +%s)
-  log "event=tiers tiers=${selection[*]} python=$python"
+  log "event=tiers tiers=${names[*]} python=$python"
   "$python" -m pytest -q -p no:cacheprovider -rs --durations=25 "${selection[@]}" "$@" || rc=$?
-  log "event=tiers-done tiers=${selection[*]} rc=$rc seconds=$(( $(date +%s) - t ))"
+  log "event=tiers-done tiers=${names[*]} rc=$rc seconds=$(( $(date +%s) - t ))"
   [[ $rc -eq 0 || $rc -eq 5 ]]
 }
 
