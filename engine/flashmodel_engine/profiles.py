@@ -368,8 +368,11 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
     if r.enforce_eager:
         args.append("--enforce-eager")
     elif r.profile.gpu:
-        # vLLM captures graphs up to min(2 x maxNumSeqs, 512) by default; a decode batch never
-        # exceeds maxNumSeqs, so larger graphs only cost pool memory and start-up time.
+        # vLLM captures graphs up to min(2 x maxNumSeqs, 512) tokens by default. Every pure decode
+        # step (at most maxNumSeqs tokens) replays a graph; a step that mixes decodes with prefill
+        # chunks and is larger than this runs without graphs (vLLM's CudagraphDispatcher). Whether
+        # capturing up to maxNumBatchedTokens pays for its pool memory and capture time is the open
+        # question of docs/benchmarks/goodput.md.
         args += ["--max-cudagraph-capture-size", str(r.max_num_seqs)]
     if r.profile.gpu:
         backend = _GPU_ATTENTION[r.attention_backend]
