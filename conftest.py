@@ -135,7 +135,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
     result = yield
-    failed = item.config.stash.get(FAILED_TIER, None)
+    # Only where tiers were asked for: a plain `pytest PATH` runs all it selected, as pytest does.
+    failed = item.config.stash.get(FAILED_TIER, None) if item.config.getoption("tier") else None
     if failed is not None and (nextitem is None or nextitem.stash.get(TIER_KEY, failed) != failed):
         item.session.shouldstop = f"the {failed} tier failed, so the tiers after it do not run"
     return result
