@@ -9,6 +9,7 @@ installed, `installed_options()` builds it from that vLLM's parser.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import re
@@ -177,7 +178,9 @@ def installed_options() -> Options | None:
 
 def _dump() -> None:
     """Write vllm_options.py for the installed vLLM (see that module's docstring)."""
-    table = parser_options(vllm_parser())
+    # vLLM 0.26 logs to stdout while it imports; the table is this command's only stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        table = parser_options(vllm_parser())
     version = (installed_vllm_version() or "unknown").split("+")[0]
     print('"""vLLM ' + version + "'s OpenAI-server options: option string -> (dest, nargs). Generated, do not edit.")
     print()
