@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -40,3 +42,25 @@ def test_each_test_has_one_tier_and_the_fixtures_decide_which(engine_python: str
     assert by_file == {path: {tier} for path, tier in KNOWN.items()}, by_file
     unit = tiers(engine_python, "--tier", "unit", *KNOWN)
     assert set(unit) == {n for n, t in everything.items() if t == "unit"}, Counter(everything.values())
+
+
+def _run_without_the_control_plane(require_all: bool) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMODEL_REQUIRE_ALL"}
+    env["FLASHMODEL_SKIP_E2E"] = "1"
+    if require_all:
+        env["FLASHMODEL_REQUIRE_ALL"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rs", "e2e/test_cluster.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_a_missing_control_plane_skips_alone_and_fails_the_full_run() -> None:
+    # What a developer without the testbin sees: skips that say what to run.
+    alone = _run_without_the_control_plane(require_all=False)
+    assert alone.returncode == 0 and " skipped" in alone.stdout, alone.stdout[-3000:]
+    assert "FLASHMODEL_SKIP_E2E=1" in alone.stdout, alone.stdout[-3000:]
+    # What CI's full run (FLASHMODEL_REQUIRE_ALL=1) sees: a failure, never a green skip.
+    full = _run_without_the_control_plane(require_all=True)
+    assert full.returncode == 1, full.stdout[-3000:]
+    assert "FLASHMODEL_REQUIRE_ALL=1 and FLASHMODEL_SKIP_E2E=1" in full.stdout, full.stdout[-3000:]
