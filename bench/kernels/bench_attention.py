@@ -9,6 +9,10 @@ must move: every cached K and V element once, the queries once, the output once.
 reads its own copy of the inputs (rotated inside one CUDA graph), so calls whose inputs fit the
 60 MB L2 together are not timed out of the cache where that can be avoided.
 
+``tile_graph`` is tile with the plan a captured CUDA graph of that batch size uses in vLLM
+(``graph.plan_for_graph``: the split count from the batch size and ``--max-model-len``, not the
+context): what serving under full CUDA graphs runs. ``--kernels`` times only the named ones.
+
 ``--sweep`` also times tile at other (splits, block_n) configs on the same inputs, to compare
 split rules on measurements: power-of-two split counts, then smaller key tiles at batch <= 64;
 both stop once ``--sweep-budget-s`` is spent. Each sweep output is checked fully
@@ -30,8 +34,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+from flashmodel_kernels.graph import LayerShape, plan_for_graph
 from flashmodel_kernels.paged_attention import paged_attention
-from flashmodel_kernels.plan import LaunchConfig, plan_launch, wide_tiles_fit
+from flashmodel_kernels.plan import MAX_FUSED_SPLITS, LaunchConfig, plan_launch, wide_tiles_fit
 from flashmodel_kernels.reference import PagedBatch, random_paged_batch, reference_attention, relative_error
 
 MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
@@ -62,6 +67,8 @@ class DecodeInputs:
     copies: int
     plan: LaunchConfig = field(default_factory=lambda: LaunchConfig(block_q=1, block_n=16, num_splits=1))
     """plan_launch's pick for this shape (set by bench_decode), for the side-by-side variants."""
+    graph_plan: LaunchConfig | None = None
+    """The plan of a captured CUDA graph of this batch size (set by bench_decode)."""
 
 
 @dataclass
@@ -81,6 +88,8 @@ class DecodeRow:
     num_splits: int = 1
     plan: dict[str, int | bool] = field(default_factory=dict)
     """plan_launch's config on this device (``tile`` above ran with it)."""
+    graph_plan: dict[str, int | bool] = field(default_factory=dict)
+    """The captured-graph plan (``tile_graph`` ran with it)."""
     errors: dict[str, str] = field(default_factory=dict)
     tile_sweep: list[dict[str, Any]] = field(default_factory=list)
     """One entry per timed config: splits, block_n, us, tier, rel_diff_vs_tile."""
@@ -116,6 +125,14 @@ def plan_config(shape: Shape, *, wide_tiles: bool) -> LaunchConfig:
         multiprocessors=shape.multiprocessors,
         wide_tiles=wide_tiles,
     )
+
+
+def graph_plan_fused(plan: LaunchConfig | None) -> LaunchConfig:
+    """``plan`` with at most ``MAX_FUSED_SPLITS`` splits, merged in the kernel where it splits."""
+    if plan is None:
+        raise ValueError("no graph plan for this shape")
+    splits = min(plan.num_splits, MAX_FUSED_SPLITS)
+    return replace(plan, num_splits=splits, fuse_merge=splits > 1)
 
 
 def cuda_event() -> torch.cuda.Event:
@@ -372,10 +389,16 @@ def bench_decode(
     save: Callable[[list[dict[str, Any]]], None],
     sweep: bool = False,
     sweep_budget_s: float = float("inf"),
+    only: set[str] | None = None,
+    max_model_len: int = 4096,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     kernels: dict[str, Callable[[DecodeInputs, float], Kernel]] = {
         "tile": tile_kernel,
+        "tile_graph": lambda x, scale: tile_kernel(x, scale, x.graph_plan),
+        # The graph plan held to the fused merge's split limit: one kernel per call instead of two
+        # where the graph plan's split count (from max_model_len) goes past it.
+        "tile_graph_fused": lambda x, scale: tile_kernel(x, scale, graph_plan_fused(x.graph_plan)),
         # The plan's pick with each of its measured choices turned the other way, side by side:
         # the searching path for the decode path (or back), the merge kernel for the fused merge
         # (or back), and the fused merge at twice the splits.
@@ -391,6 +414,11 @@ def bench_decode(
         "vllm_triton": vllm_triton_kernel,
         "fa3": fa3_kernel,
     }
+    if only is not None:
+        unknown = only - set(kernels)
+        if unknown:
+            raise ValueError(f"--kernels: unknown {sorted(unknown)}; known: {sorted(kernels)}")
+        kernels = {name: make for name, make in kernels.items() if name in only or name == "tile"}
     multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
     t0 = time.time()
     budget_logged = False
@@ -414,12 +442,19 @@ def bench_decode(
                 x.plan = plan
                 row.num_splits = plan.num_splits
                 row.plan = asdict(plan)  # every choice, so a later rule can tell which variant ran its pick
+                layer = LayerShape(q_heads, kv_heads, head_dim, max_model_len, multiprocessors, wide_tiles_fit(device))
+                x.graph_plan = plan_for_graph(batch, layer)
+                row.graph_plan = asdict(x.graph_plan)
                 small = batch * context <= 16 * 4096
                 ref = decode_reference(x, scale, 0) if small else None
                 tile_out: torch.Tensor | None = None
                 for name, make in kernels.items():
                     if name in ("tile_other_merge", "tile_fused_2x") and plan.num_splits == 1:
                         continue  # nothing to merge
+                    if name == "tile_graph_fused" and (
+                        x.graph_plan is None or x.graph_plan.num_splits <= MAX_FUSED_SPLITS
+                    ):
+                        continue  # the graph plan itself
                     if name.startswith("tile_bn128") and context // plan.num_splits < 128:
                         continue  # a split shorter than the tile: masked keys, nothing to learn
                     try:
@@ -439,35 +474,37 @@ def bench_decode(
                             row.rel_err_vs_float64[name] = relative_error(out0, ref)
                     except Exception as exc:  # one failing baseline must not end the run
                         row.errors[name] = f"{type(exc).__name__}: {exc}"[:300]
-                try:
-                    run, moved = copy_kernel(x)
-                    seconds = time_graph(run, x.copies)
-                    row.us["copy"] = seconds * 1e6
-                    row.bandwidth_fraction["copy"] = moved / seconds / bandwidth
-                except Exception as exc:
-                    row.errors["copy"] = f"{type(exc).__name__}: {exc}"[:300]
-                # Is the fixed excess over the copy the scattered pages or the kernel? The plan's
-                # pick on consecutive pages, and a gather of the scattered ones (same bytes).
-                try:
-                    contiguous = contiguous_pages(x)
-                    x.outs.fill_(float("nan"))
-                    seconds = time_graph(tile_kernel(contiguous, scale, plan), x.copies)
-                    if torch.isnan(x.outs).any():
-                        raise RuntimeError("output not fully written")
-                    row.us["tile_contiguous"] = seconds * 1e6
-                    row.bandwidth_fraction["tile_contiguous"] = row.bytes / seconds / bandwidth
-                    if small:
-                        reference = decode_reference(contiguous, scale, 0)
-                        row.rel_err_vs_float64["tile_contiguous"] = relative_error(x.outs[0], reference)
-                except Exception as exc:
-                    row.errors["tile_contiguous"] = f"{type(exc).__name__}: {exc}"[:300]
-                try:
-                    run, moved, _ = gather_kernel(x)
-                    seconds = time_graph(run, x.copies)
-                    row.us["gather"] = seconds * 1e6
-                    row.bandwidth_fraction["gather"] = moved / seconds / bandwidth
-                except Exception as exc:
-                    row.errors["gather"] = f"{type(exc).__name__}: {exc}"[:300]
+                # The copy, consecutive pages and the gather explain the fixed excess; --kernels skips them.
+                if only is None:
+                    try:
+                        run, moved = copy_kernel(x)
+                        seconds = time_graph(run, x.copies)
+                        row.us["copy"] = seconds * 1e6
+                        row.bandwidth_fraction["copy"] = moved / seconds / bandwidth
+                    except Exception as exc:
+                        row.errors["copy"] = f"{type(exc).__name__}: {exc}"[:300]
+                    # Is the fixed excess over the copy the scattered pages or the kernel? The plan's
+                    # pick on consecutive pages, and a gather of the scattered ones (same bytes).
+                    try:
+                        contiguous = contiguous_pages(x)
+                        x.outs.fill_(float("nan"))
+                        seconds = time_graph(tile_kernel(contiguous, scale, plan), x.copies)
+                        if torch.isnan(x.outs).any():
+                            raise RuntimeError("output not fully written")
+                        row.us["tile_contiguous"] = seconds * 1e6
+                        row.bandwidth_fraction["tile_contiguous"] = row.bytes / seconds / bandwidth
+                        if small:
+                            reference = decode_reference(contiguous, scale, 0)
+                            row.rel_err_vs_float64["tile_contiguous"] = relative_error(x.outs[0], reference)
+                    except Exception as exc:
+                        row.errors["tile_contiguous"] = f"{type(exc).__name__}: {exc}"[:300]
+                    try:
+                        run, moved, _ = gather_kernel(x)
+                        seconds = time_graph(run, x.copies)
+                        row.us["gather"] = seconds * 1e6
+                        row.bandwidth_fraction["gather"] = moved / seconds / bandwidth
+                    except Exception as exc:
+                        row.errors["gather"] = f"{type(exc).__name__}: {exc}"[:300]
                 if sweep:
                     for num_splits, sweep_block_n, tier in sweep_configs(shape, plan):
                         if tier > 0 and time.time() - t0 > sweep_budget_s:
@@ -507,7 +544,8 @@ def format_row(row: DecodeRow) -> str:
     best = min(timed, key=lambda e: e["us"]) if timed else None
     return (
         f"{row.model:13s} b={row.batch:4d} ctx={row.context:5d} splits={row.num_splits:2d} "
-        f"tile={us('tile')}us triton={us('vllm_triton')}us fa3={us('fa3')}us "
+        f"tile={us('tile')}us graph={us('tile_graph')}us graph_fused={us('tile_graph_fused')}us "
+        f"triton={us('vllm_triton')}us fa3={us('fa3')}us "
         f"other_path={us('tile_other_path')}us other_merge={us('tile_other_merge')}us "
         f"fused2x={us('tile_fused_2x')}us bn128={us('tile_bn128')}us bn128w8={us('tile_bn128_w8')}us "
         f"contiguous={us('tile_contiguous')}us gather={us('gather')}us copy={us('copy')}us "
@@ -668,6 +706,10 @@ def main() -> None:
     parser.add_argument("--min-context", type=int, default=512, help="decode contexts from this length")
     parser.add_argument("--sweep", action="store_true", help="also time tile at other (splits, block_n) per shape")
     parser.add_argument(
+        "--kernels", default="", help="comma list of decode kernels to time (tile always); default: all and the copy"
+    )
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the engine limit tile_graph plans for")
+    parser.add_argument(
         "--sweep-budget-s", type=float, default=float("inf"), help="decode seconds after which sweep tiers 1-2 stop"
     )
     args = parser.parse_args()
@@ -713,7 +755,16 @@ def main() -> None:
         sections.append(
             (
                 "decode",
-                lambda: bench_decode(device, report["copy_bandwidth_Bps"], log, save, args.sweep, args.sweep_budget_s),
+                lambda: bench_decode(
+                    device,
+                    report["copy_bandwidth_Bps"],
+                    log,
+                    save,
+                    args.sweep,
+                    args.sweep_budget_s,
+                    only=set(args.kernels.split(",")) if args.kernels else None,
+                    max_model_len=args.max_model_len,
+                ),
             )
         )
     for name, section in sections:

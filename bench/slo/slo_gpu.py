@@ -104,6 +104,7 @@ class Env:
     rate_max: float = 0.0  # the search's highest rate (0: the default, 512 on the GPU)
     extras: bool = True  # shared-prefix and JSON points for the cases that have them
     hold_rps: float = 0.0  # skip the search and hold this rate for sustain_s (an earlier search's maximum)
+    bisect_steps: int = 0  # bisections after the doubling (0: the default, 2 on the GPU); each halves the bracket
 
     def left(self) -> float:
         return self.deadline - time.monotonic()

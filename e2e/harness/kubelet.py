@@ -12,10 +12,18 @@ left alone by it, and this process plays the kubelet for it, the way a node agen
   ContainersReady from the probe, Ready = ContainersReady AND every readiness gate, exactly
   the kubelet's rule, so the operator's prewarm gate decides whether the Service routes here;
 - on deletion sends SIGTERM, waits the grace period, SIGKILLs, then removes the pod.
+
+A real kubelet ends a container through its cgroup, so nothing the container started outlives
+it. The engine's processes share no one process group (the launcher starts vLLM in a session of
+its own, and vLLM's engine core lives on, reparented, when its API server dies), so stopping a pod
+here ends every session its processes were seen in (`EngineTree`): on deletion, on replacement,
+when the container exits, at the kubelet's teardown and at this interpreter's exit. Engines of a
+harness process that was killed before any of that are ended by the next kubelet to start.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import datetime as dt
@@ -28,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +131,7 @@ class EnginePod:
     ip: str
     netns: str
     workdir: Path
-    proc: subprocess.Popen[bytes]
+    proc: EngineTree
     grace: float
     started: bool = False
     ready: bool = False
@@ -167,8 +176,205 @@ def _http_status(url: str, timeout: float) -> int:
 def engine_python() -> str:
     """The engine venv's Python (scripts/setup-engine.sh makes it): FLASHMODEL_ENGINE_VENV, else under the cache."""
     venv = os.environ.get("FLASHMODEL_ENGINE_VENV") or str(
-        Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel")) / "venv-engine")
+        Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel")) / "venv-engine"
+    )
     return str(Path(venv) / "bin" / "python")
+
+
+SESSIONS_DIR = Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel")) / "engine-sessions"
+"""One file per running engine, naming its harness process and the processes seen in it, for the next harness."""
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """What /proc/<pid>/stat says of one live (not zombie) process."""
+
+    pid: int
+    ppid: int
+    session: int
+    start_ticks: int
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """None when the process is gone or a zombie (a zombie holds no memory and runs nothing)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":
+        return None
+    return ProcStat(pid, int(fields[1]), int(fields[3]), int(fields[19]))
+
+
+def all_processes() -> list[ProcStat]:
+    stats = (proc_stat(int(d.name)) for d in Path("/proc").iterdir() if d.name.isdigit())
+    return [s for s in stats if s is not None]
+
+
+_self = proc_stat(os.getpid())
+HARNESS_ID = f"{os.getpid()}.{_self.start_ticks if _self else 0}"
+"""This process, for the session files: a later process with the same pid has another start time."""
+
+
+def _harness_alive(harness_id: str) -> bool:
+    pid, _, ticks = harness_id.partition(".")
+    stat = proc_stat(int(pid)) if pid.isdigit() else None
+    return stat is not None and str(stat.start_ticks) == ticks
+
+
+def _one_of(processes: set[tuple[int, int]]) -> Callable[[ProcStat], bool]:
+    """Selects the processes of these (pid, start time) pairs."""
+    return lambda s: (s.pid, s.start_ticks) in processes
+
+
+def _kill_until_gone(which: Callable[[ProcStat], bool], timeout: float = 10.0) -> list[int]:
+    """SIGKILL every live process `which` selects until none is left; returns those killed."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while pids := [s.pid for s in all_processes() if which(s) and s.pid != os.getpid()]:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed.update(pids)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes still alive after SIGKILL: {pids}")
+        time.sleep(0.05)
+    return sorted(killed)
+
+
+def end_orphaned_engines(sessions_dir: Path = SESSIONS_DIR) -> list[int]:
+    """End the engines of harness processes that are gone (a run killed before its teardown ran).
+
+    Only the processes the record names, each by pid and start time: a session id or pid of a
+    long-gone engine may belong to another program by now.
+    """
+    killed: list[int] = []
+    for file in sorted(sessions_dir.glob("*.json")) if sessions_dir.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            record = json.loads(file.read_text())
+            if _harness_alive(record["harness"]):
+                continue
+            killed += _kill_until_gone(_one_of({(int(pid), int(ticks)) for pid, ticks in record["processes"]}))
+            file.unlink()
+    if killed:
+        log.warning("event=orphaned-engines-killed pids=%s", killed)
+    return killed
+
+
+LIVE_TREES: set[EngineTree] = set()
+
+
+@atexit.register
+def _end_own_engines() -> None:
+    # An interpreter that exits without a kubelet's teardown (a failed fixture, Ctrl-C) still ends
+    # its engines: several GB each, and the next run would start next to them.
+    for tree in list(LIVE_TREES):
+        with contextlib.suppress(Exception):
+            tree.kill()
+
+
+class EngineTree:
+    """One pod's engine: the launcher and every process it starts, however they detach, until they are gone.
+
+    A real kubelet ends a container through its cgroup. Here the launcher starts in a session of its
+    own, and every session that a process of the tree starts (the launcher starts vLLM in one; vLLM's
+    engine core lives on, reparented, when its API server dies) is recorded as the tree is watched
+    (`pids`), so that stopping it ends the processes of all of them. A session's id is not reused
+    while any process of it lives.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str, *, log_file: Path, cwd: Path) -> None:
+        with log_file.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=cwd,
+            )
+        self.name = name
+        self.sessions = {self.proc.pid}
+        self.seen: dict[int, int] = {}
+        """pid -> start time of every process seen in the tree, for a later harness (`end_orphaned_engines`)."""
+        self.ended = False
+        """Killed: its session ids and pids may be reused by other programs from then on."""
+        self._record = SESSIONS_DIR / f"{HARNESS_ID}-{self.proc.pid}.json"
+        LIVE_TREES.add(self)
+        self.pids()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _save(self) -> None:
+        SESSIONS_DIR.mkdir(parents=True, exist_ok=True)
+        processes = sorted(self.seen.items())
+        self._record.write_text(json.dumps({"harness": HARNESS_ID, "pod": self.name, "processes": processes}))
+
+    def pids(self) -> list[int]:
+        """The live processes of this engine (launcher, shim, vLLM's API server, engine core, workers).
+
+        Descendants of the launcher and members of the tree's sessions; a session started by one of
+        them joins the tree. Call it while the engine runs (the kubelet does, every pass), so a
+        session is known before its leader dies.
+        """
+        if self.ended:
+            return []
+        procs = all_processes()
+        children: dict[int, list[int]] = {}
+        for p in procs:
+            children.setdefault(p.ppid, []).append(p.pid)
+        found: set[int] = set()
+        todo = [p.pid for p in procs if p.session in self.sessions]
+        if self.proc.returncode is None:  # not reaped: the pid is still the launcher's
+            todo.append(self.proc.pid)
+        while todo:
+            pid = todo.pop()
+            if pid not in found:
+                found.add(pid)
+                todo += children.get(pid, [])
+        members = [p for p in procs if p.pid in found]
+        self.sessions |= {p.session for p in members}
+        if any(self.seen.get(p.pid) != p.start_ticks for p in members):
+            self.seen.update({p.pid: p.start_ticks for p in members})
+            self._save()
+        return sorted(found)
+
+    def exited(self) -> bool:
+        """Whether the launcher (the container's main process) has exited."""
+        return self.proc.poll() is not None
+
+    def terminate(self) -> None:
+        """SIGTERM to the launcher only, as the kubelet signals a container's main process: it drains vLLM."""
+        self.pids()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> list[int]:
+        """SIGKILL every process of the tree and its sessions, and reap the launcher; once."""
+        if self.ended:
+            return []
+        self.pids()
+        killed = _kill_until_gone(lambda s: s.session in self.sessions)
+        self.proc.wait()
+        self.ended = True
+        LIVE_TREES.discard(self)
+        with contextlib.suppress(OSError):
+            self._record.unlink()
+        return killed
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM, up to `grace` seconds for the launcher to drain and exit, then SIGKILL what is left."""
+        self.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace)
+        left = self.kill()
+        if left:
+            log.info("event=engine-processes-killed pod=%s pids=%s", self.name, left)
+        return int(self.proc.returncode)
 
 
 class EngineKubelet:
@@ -188,6 +394,8 @@ class EngineKubelet:
         self.python = python
         self.env = env or {}
         self.pods: dict[str, EnginePod] = {}
+        self.trees: list[EngineTree] = []
+        """Every engine this kubelet started, stopped or not: its teardown ends what is left of them."""
         self.lock = threading.Lock()
         # A pod keeps its IP and restart count across container restarts, as with a real kubelet.
         self._networks: dict[str, tuple[str, str]] = {}
@@ -197,14 +405,20 @@ class EngineKubelet:
         self._thread = threading.Thread(target=self._loop, name="engine-kubelet", daemon=True)
 
     def __enter__(self) -> EngineKubelet:
+        end_orphaned_engines()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-        for pod in list(self.pods.values()):
-            self._kill(pod, grace=5)
+        try:
+            for pod in list(self.pods.values()):
+                self._kill(pod, grace=5)
+        finally:
+            # A pod the sync thread was starting as it stopped is in no table yet.
+            for tree in self.trees:
+                tree.kill()
         for netns, _ in self._networks.values():
             remove_pod_network(netns)
 
@@ -307,8 +521,7 @@ class EngineKubelet:
         env["FLASHMODEL_TEST_MEMORY_HOG_FILE"] = str(hog)
         env["FLASHMODEL_TERMINATION_LOG"] = str(work / "termination-log")
         env["PYTHONPATH"] = os.pathsep.join(str(ROOT / p) for p in ("engine", "operator", "kernels", "."))
-        log_file = (work / "engine.log").open("ab")
-        proc = subprocess.Popen(
+        proc = EngineTree(
             [
                 "ip",
                 "netns",
@@ -321,12 +534,12 @@ class EngineKubelet:
                 "--config",
                 str(work / "engine.yaml"),
             ],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            env,
+            f"{self.namespace}/{name}",
+            log_file=work / "engine.log",
             cwd=work,
         )
+        self.trees.append(proc)
         grace = float(spec.get("terminationGracePeriodSeconds", 30))
         engine_pod = EnginePod(
             name=name,
@@ -339,8 +552,9 @@ class EngineKubelet:
             hog_file=hog,
             restarts=self._restarts.get(name, 0),
             readiness_probe=container.get("readinessProbe") or {},
-            pre_stop_sleep=float((((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get(
-                "seconds", 0)),
+            pre_stop_sleep=float(
+                (((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get("seconds", 0)
+            ),
         )
         with self.lock:
             self.pods[name] = engine_pod
@@ -354,9 +568,12 @@ class EngineKubelet:
         return engine_pod
 
     def _probe_and_report(self, pod: dict[str, Any], engine_pod: EnginePod) -> None:
-        if engine_pod.proc.poll() is not None:
-            # The container exited: a kubelet restarts it (restartPolicy Always) and says so.
-            code = engine_pod.proc.returncode
+        if engine_pod.proc.exited():
+            # The container exited: a kubelet restarts it (restartPolicy Always) and says so. Like
+            # the end of its cgroup, nothing the container started outlives it (vLLM's engine core
+            # would, holding its GBs, when the launcher died before it).
+            engine_pod.proc.kill()
+            code = engine_pod.proc.proc.returncode
             message = ""
             term = engine_pod.workdir / "termination-log"
             if term.exists():
@@ -381,6 +598,7 @@ class EngineKubelet:
                 ready=False,
             )
             return
+        engine_pod.proc.pids()  # records the sessions vLLM starts, before any of their leaders can die
         if not engine_pod.started:
             engine_pod.started = _http_status(engine_pod.shim + "/startupz", 2) == 200
         if engine_pod.started:
@@ -458,18 +676,17 @@ class EngineKubelet:
     def _terminate(self, engine_pod: EnginePod) -> None:
         if engine_pod.deleting_since is None:
             engine_pod.deleting_since = time.monotonic()
-            log.info("event=engine-terminating pod=%s pid=%d pre_stop_sleep=%.0f", engine_pod.name,
-                     engine_pod.proc.pid, engine_pod.pre_stop_sleep)
+            log.info(
+                "event=engine-terminating pod=%s pid=%d pre_stop_sleep=%.0f",
+                engine_pod.name,
+                engine_pod.proc.pid,
+                engine_pod.pre_stop_sleep,
+            )
         # Like the kubelet: the preStop hook (a sleep) runs first, inside the grace period, then SIGTERM.
         if not engine_pod.sigterm_sent and time.monotonic() - engine_pod.deleting_since >= engine_pod.pre_stop_sleep:
             engine_pod.sigterm_sent = True
-            self._signal(engine_pod, signal.SIGTERM)
-        done = engine_pod.proc.poll() is not None
-        if not done and time.monotonic() - engine_pod.deleting_since > engine_pod.grace:
-            self._signal(engine_pod, signal.SIGKILL)
-            engine_pod.proc.wait()
-            done = True
-        if done:
+            engine_pod.proc.terminate()
+        if engine_pod.proc.exited() or time.monotonic() - engine_pod.deleting_since > engine_pod.grace:
             self._kill(engine_pod, grace=0)
             self.cp.kubectl(
                 "delete",
@@ -483,36 +700,14 @@ class EngineKubelet:
                 check=False,
             )
 
-    def _signal(self, engine_pod: EnginePod, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(engine_pod.proc.pid, sig) if sig == signal.SIGKILL else engine_pod.proc.send_signal(sig)
-
     def _kill(self, engine_pod: EnginePod, grace: float) -> None:
-        if engine_pod.proc.poll() is None:
-            self._signal(engine_pod, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                engine_pod.proc.wait(timeout=grace)
-        # The whole process group: vLLM's engine-core and workers too.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(engine_pod.proc.pid, signal.SIGKILL)
-        engine_pod.proc.wait()
+        # Every process of the pod: vLLM's API server, engine core and workers too.
+        engine_pod.proc.stop(grace)
         with self.lock:
             self.pods.pop(engine_pod.name, None)
 
     # -- for tests -------------------------------------------------------------------------
 
     def engine_tree(self, name: str) -> list[int]:
-        """PIDs of the pod's process tree (launcher, shim, vLLM server, engine core, workers)."""
-        pod = self.pods[name]
-        # By parentage, not session: the launcher starts vLLM in a session of its own.
-        out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True)
-        children: dict[int, list[int]] = {}
-        for line in out.stdout.splitlines():
-            pid, ppid = map(int, line.split())
-            children.setdefault(ppid, []).append(pid)
-        tree, todo = [], [pod.proc.pid]
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo += children.get(pid, [])
-        return tree
+        """PIDs of the pod's processes (launcher, shim, vLLM server, engine core, workers)."""
+        return self.pods[name].proc.pids()

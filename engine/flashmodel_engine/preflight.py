@@ -8,7 +8,7 @@ import resource
 import stat
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +29,23 @@ RUNTIME_OVERHEAD_BYTES = GIB // 2
 # 4-bit zero point (bench/slo/mkquant.py's layout, which matches the published Qwen2.5 AWQ sizes).
 INT4_BYTES_PER_WEIGHT = 0.5 + 2.5 / 128
 SAFETENSORS_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
-# The CUDA-graph pool holds the activations of the largest captured batch: measured 0.28 GiB for
-# a 1.5B shape (hidden 1536 + intermediate 8960) captured up to 256 sequences (H200, vLLM 0.26;
-# docs/benchmarks/goodput.md). Scaled by batch and width for other shapes.
-GRAPH_POOL_REFERENCE = (int(0.28 * GIB), 256, 1536 + 8960)
+# The CUDA-graph pool holds the activations of the largest captured step plus what each captured
+# size keeps. Two measurements at the 1.5B width (hidden 1536 + intermediate 8960), vLLM 0.26:
+# 0.28 GiB captured up to 256 tokens (vLLM's own figure, H200), and 1.21 GiB more up to 4096
+# (the engine process's GPU memory with the same KV cache, H100; docs/benchmarks/goodput.md).
+# Between and beyond them the pool is taken as linear in the largest captured size, and it is
+# scaled by width for other shapes; at the 3B width this gives 1.85 GiB at 4096 where 1.72 GiB
+# was measured.
+GRAPH_POOL_WIDTH = 1536 + 8960
+GRAPH_POOL_POINTS = ((256, int(0.28 * GIB)), (4096, int((0.28 + 1.21) * GIB)))
 
 
 def graph_pool_bytes(hidden: int, intermediate: int, max_capture: int) -> int:
-    """The plan's CUDA-graph pool for a model width and the largest captured batch."""
-    pool, batch, width = GRAPH_POOL_REFERENCE
-    return pool * max_capture * (hidden + intermediate) // (batch * width)
+    """The plan's CUDA-graph pool for a model width and the largest captured step (tokens)."""
+    (t0, b0), (t1, b1) = GRAPH_POOL_POINTS
+    below = b0 * max_capture // t0
+    at_width = below if max_capture <= t0 else b0 + (b1 - b0) * (max_capture - t0) // (t1 - t0)
+    return at_width * (hidden + intermediate) // GRAPH_POOL_WIDTH
 
 
 def activation_bytes(hidden: int, intermediate: int, vocab: int, tokens: int, seqs: int, run_bytes: int) -> int:
@@ -117,7 +124,8 @@ def plan_gpu_memory(shape: ModelShape, r: ResolvedEngine, weights_bytes: int, ca
     return MemoryPlan(
         card_bytes=card_bytes, budget_bytes=int(card_bytes * (r.gpu_memory_utilization or 0.85)),
         weights_bytes=weights_bytes, runtime_bytes=RUNTIME_OVERHEAD_BYTES,
-        graph_pool_bytes=0 if r.enforce_eager else graph_pool_bytes(shape.hidden, shape.intermediate, seqs),
+        graph_pool_bytes=0 if r.enforce_eager else graph_pool_bytes(shape.hidden, shape.intermediate,
+                                                                      r.max_num_batched_tokens),
         activation_bytes=activation_bytes(shape.hidden, shape.intermediate, shape.vocab,
                                           r.max_num_batched_tokens, seqs, run_bytes),
         kv_bytes_per_token=2 * shape.layers * shape.kv_heads * shape.head_dim * run_bytes,
@@ -138,8 +146,15 @@ def fit_fixes(plan: MemoryPlan, shape: ModelShape, r: ResolvedEngine, run_bytes:
     fitting_seqs = next((n for n in range(r.max_num_seqs - 1, 0, -1)
                          if plan_gpu_memory(shape, r, plan.weights_bytes, plan.card_bytes, run_bytes, n).fits), None)
     if fitting_seqs is not None:
-        fixes.append(f"lower maxNumSeqs to {fitting_seqs} (the CUDA-graph pool and the sampler's logits "
-                     "are sized for it)")
+        fixes.append(f"lower maxNumSeqs to {fitting_seqs} (the sampler's logits are sized for it)")
+    # The graph pool and the prefill activations grow with the prefill budget per step.
+    fitting_mnbt = next((n for n in range(r.max_num_batched_tokens // 256 * 256 - 256, 255, -256)
+                         if plan_gpu_memory(shape, replace(r, max_num_batched_tokens=n), plan.weights_bytes,
+                                            plan.card_bytes, run_bytes).fits), None)
+    if fitting_mnbt is not None:
+        chunked = " with --enable-chunked-prefill in extraArgs" if fitting_mnbt < r.max_model_len else ""
+        fixes.append(f"lower maxNumBatchedTokens to {fitting_mnbt}{chunked} (the CUDA-graph pool and the "
+                     "prefill activations are sized for it)")
     fitting_len = max(plan.kv_free_bytes, 0) // plan.kv_bytes_per_token // 128 * 128 if plan.kv_bytes_per_token else 0
     if fitting_len >= 128:
         fixes.append(f"lower maxModelLen to {fitting_len}")

@@ -9,11 +9,12 @@ import math
 from dataclasses import dataclass
 
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.engine_version import SUPPORTED_RANGE
 from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
 from flashmodel_engine.quantization import method_problems
 from flashmodel_engine.vllm_flags import Options, dest_of
 from flashmodel_engine.vllm_flags import resolve as resolve_args
-from flashmodel_engine.vllm_options import OPTIONS
+from flashmodel_engine.vllm_options import TABLES
 
 # Flags the profile owns; extraArgs may not set them (docs/design.md, "Enforced flags").
 # The value is the engine-config key to use instead.
@@ -25,9 +26,9 @@ ENFORCED_FLAGS: dict[str, str] = {
     "--max-model-len": "engine.maxModelLen",
     "--max-num-batched-tokens": "engine.maxNumBatchedTokens",
     "--enforce-eager": "engine.enforceEager",
-    # The graph pool the memory plan counts is the one for batches up to maxNumSeqs.
-    "--max-cudagraph-capture-size": "engine.maxNumSeqs",
-    "--cudagraph-capture-sizes": "engine.maxNumSeqs",
+    # The graph pool the memory plan counts is the one for steps up to maxNumBatchedTokens.
+    "--max-cudagraph-capture-size": "engine.maxNumBatchedTokens",
+    "--cudagraph-capture-sizes": "engine.maxNumBatchedTokens",
     "--compilation-config": "engine.enforceEager",
     # Either would replace the gpuMemoryUtilization budget the memory plan is made for.
     "--kv-cache-memory-bytes": "engine.gpuMemoryUtilization",
@@ -60,7 +61,7 @@ CONFIG_FLAG = "--config"
 """A vLLM YAML config could set any enforced flag behind our back."""
 
 # Flags that change the memory plan the profile's limits are made for (one card, fp16 weights and KV
-# cache in gpuMemoryUtilization of it, the graph pool for maxNumSeqs); the value says what to do instead.
+# cache in gpuMemoryUtilization of it, the graph pool for maxNumBatchedTokens); the value says what to do instead.
 MEMORY_PLAN_FLAGS: dict[str, str] = {
     "--num-gpu-blocks-override": "remove it; the KV cache is sized from engine.gpuMemoryUtilization",
     "--swap-space": "remove it; the pod's memory limit does not count CPU swap blocks",
@@ -73,7 +74,7 @@ MEMORY_PLAN_FLAGS: dict[str, str] = {
     "--offload-prefetch-step": "remove it; the pod's memory limit does not count offloaded weights",
     "--kv-offloading-size": "remove it; the pod's memory limit does not count an offloaded KV cache",
     "--kv-offloading-backend": "remove it; the pod's memory limit does not count an offloaded KV cache",
-    "--max-seq-len-to-capture": "remove it; the graphs are captured for engine.maxNumSeqs",
+    "--max-seq-len-to-capture": "remove it; the graphs are captured for engine.maxNumBatchedTokens",
     "--tensor-parallel-size": "remove it; a profile pod has one GPU",
     "--pipeline-parallel-size": "remove it; a profile pod has one GPU",
     "--data-parallel-size": "remove it; a profile pod has one GPU (scale with spec.replicas)",
@@ -191,61 +192,95 @@ def _guarded_names() -> list[str]:
     return [*ENFORCED_FLAGS, *_ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS]
 
 
-def check_extra_args(extra_args: list[str], options: Options | None = None, *, strict: bool = False) -> list[str]:
-    """One problem line per extra arg that sets an enforced or memory-plan flag, however it is spelt.
-
-    `options` is vLLM's option table (the stored one by default). With `strict` (the real parser's
-    table), a flag vLLM does not know is refused too; without it, it only is when it abbreviates a
-    guarded flag, since a stored table may be older than the engine's vLLM.
-    """
-    table = OPTIONS if options is None else options
+def _table_problems(extra_args: list[str], table: Options) -> dict[int, tuple[bool, str]]:
+    """index -> (whether the only fault is a flag this table lacks, the problem line), against one table."""
     refusals = _refusals(table)
     config_dest = dest_of(CONFIG_FLAG, table)
-    problems = []
+    problems: dict[int, tuple[bool, str]] = {}
     for r in resolve_args(extra_args, table):
         where = f"engine.extraArgs[{r.index}] {r.token!r}"
         read_as = f" (vLLM reads {r.name} as {r.option})" if r.option and r.option != r.name else ""
         if r.kind == "option" and r.dest == config_dest:
-            problems.append(
-                f"{where}: a vLLM config file could override enforced flags; "
-                "put its settings into the FlashModel spec instead"
-            )
+            problems[r.index] = (False, f"{where}: a vLLM config file could override enforced flags; "
+                                        "put its settings into the FlashModel spec instead")
         elif r.kind == "option" and r.dest in refusals:
             flag, instead = refusals[r.dest]
-            problems.append(f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
+            problems[r.index] = (False, f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
         elif r.kind == "ambiguous":
             guarded = [c for c in r.candidates if table[c][0] in refusals or table[c][0] == config_dest]
             shown = ", ".join(r.candidates[:4]) + (", ..." if len(r.candidates) > 4 else "")
-            problems.append(
-                f"{where} abbreviates several vLLM flags ({shown})"
-                + (f", among them the enforced {guarded[0]}" if guarded else "")
-                + "; write the flag in full"
-            )
+            problems[r.index] = (False, f"{where} abbreviates several vLLM flags ({shown})"
+                                        + (f", among them the enforced {guarded[0]}" if guarded else "")
+                                        + "; write the flag in full")
         elif r.kind == "unknown":
-            # A stored table older than the engine's vLLM may lack a guarded flag: judge it by its name.
+            # A table may lack a guarded flag that another vLLM has: judge it by its name too.
             guarded = [f for f in _guarded_names() if f.startswith(r.name) and len(r.name) > 2]
             if guarded:
                 flag = _ALIASES.get(guarded[0], guarded[0])
                 read_as = f" (vLLM reads {r.name} as {guarded[0]})" if guarded[0] != r.name else ""
                 field = ENFORCED_FLAGS.get(flag, "the FlashModel spec")
                 instead = MEMORY_PLAN_FLAGS.get(flag) or f"remove it and set {field} instead"
-                problems.append(f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
-            elif strict:
-                problems.append(f"{where}: vLLM has no flag {r.name}; check its spelling (vLLM would refuse to start)")
+                problems[r.index] = (False, f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
+            else:
+                problems[r.index] = (True, f"{where}: vLLM has no flag {r.name}; check its spelling "
+                                           "(vLLM would refuse to start)")
         elif r.kind == "positional":
-            problems.append(
-                f"{where} is not the value of a flag before it, and vLLM would take it for its positional model "
-                "argument; put each flag and its value in entries of their own (or write --flag=value)"
-            )
+            problems[r.index] = (False, f"{where} is not the value of a flag before it, and vLLM would take it "
+                                        "for its positional model argument; put each flag and its value in "
+                                        "entries of their own (or write --flag=value)")
         elif r.kind == "end":
-            problems.append(f"{where}: vLLM would take every entry after it for positional arguments; remove it")
+            problems[r.index] = (False, f"{where}: vLLM would take every entry after it for positional "
+                                        "arguments; remove it")
+    return problems
+
+
+def check_extra_args(extra_args: list[str], options: Options | None = None, *, strict: bool = False) -> list[str]:
+    """One problem line per extra arg that sets an enforced or memory-plan flag, however it is spelt.
+
+    With `options` (one vLLM's table: the installed parser's, in the pod) the args are judged as that
+    vLLM reads them, and with `strict` a flag it does not know is refused too. Without `options`
+    (the operator, which cannot see the image's vLLM before a pod starts) they are judged against
+    every supported version's stored table (vllm_options.TABLES): refused when any version reads
+    them as a guarded flag, and a flag is refused unless every stored version has it, since a
+    vLLM without it refuses to start and the pod would crash-loop. The message names the versions
+    that have it.
+    """
+    if options is not None:
+        one = _table_problems(extra_args, options)
+        return [line for _, (unknown, line) in sorted(one.items()) if strict or not unknown]
+    per_version = {version: _table_problems(extra_args, table) for version, table in TABLES.items()}
+    problems = []
+    for index in sorted({i for at in per_version.values() for i in at}):
+        found = {v: per_version[v][index] for v in TABLES if index in per_version[v]}
+        refused = [line for unknown, line in found.values() if not unknown]
+        if refused:
+            problems.append(refused[0])
+            continue
+        lacking = list(found)
+        having = [v for v in TABLES if v not in found]
+        token = extra_args[index]
+        where = f"engine.extraArgs[{index}] {token!r}"
+        if not having:
+            problems.append(
+                f"{where}: vLLM has no flag {token.split('=')[0]} in any supported version with a stored table "
+                f"({', '.join(TABLES)}); check its spelling (vLLM would refuse to start)"
+            )
+        else:
+            problems.append(
+                f"{where}: only vLLM {', '.join(having)} has this flag, {', '.join(lacking)} does not; the engine "
+                f"image may run any supported vLLM ({SUPPORTED_RANGE}) and one without it refuses to start: "
+                "remove it, or use a flag every supported version has"
+            )
     return problems
 
 
 def chunked_prefill(extra_args: list[str], options: Options | None = None) -> bool:
     """Whether the extra args turn on chunked prefill (then the prefill cap may be below maxModelLen)."""
-    table = OPTIONS if options is None else options
-    return any(r.option == "--enable-chunked-prefill" for r in resolve_args(extra_args, table))
+    # Without one vLLM's table: on only where every supported version reads it so.
+    tables = list(TABLES.values()) if options is None else [options]
+    return all(
+        any(r.option == "--enable-chunked-prefill" for r in resolve_args(extra_args, table)) for table in tables
+    )
 
 
 def resolve(config: EngineConfig, options: Options | None = None, *, strict: bool = False) -> ResolvedEngine:
@@ -368,12 +403,13 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
     if r.enforce_eager:
         args.append("--enforce-eager")
     elif r.profile.gpu:
-        # vLLM captures graphs up to min(2 x maxNumSeqs, 512) tokens by default. Every pure decode
-        # step (at most maxNumSeqs tokens) replays a graph; a step that mixes decodes with prefill
-        # chunks and is larger than this runs without graphs (vLLM's CudagraphDispatcher). Whether
-        # capturing up to maxNumBatchedTokens pays for its pool memory and capture time is the open
-        # question of docs/benchmarks/goodput.md.
-        args += ["--max-cudagraph-capture-size", str(r.max_num_seqs)]
+        # Graphs for every step the prefill budget allows, not only pure decodes: a step larger than
+        # the largest captured size runs without graphs (vLLM's CudagraphDispatcher), and under load
+        # most steps mix decodes with prefill chunks. Capturing up to maxNumBatchedTokens instead of
+        # maxNumSeqs raised goodput 1.14x at 1.5B and 1.4x at 3B, halved TPOT p99 under load, and
+        # cost about 1.2-1.4 GiB of graph pool and 11-18 s of start-up (H100 in a T4 envelope,
+        # vLLM 0.26; docs/benchmarks/goodput.md). The memory plan counts that pool.
+        args += ["--max-cudagraph-capture-size", str(r.max_num_batched_tokens)]
     if r.profile.gpu:
         backend = _GPU_ATTENTION[r.attention_backend]
         if backend is not None:

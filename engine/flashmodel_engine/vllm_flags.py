@@ -2,9 +2,10 @@
 
 vLLM's `FlexibleArgumentParser` is an argparse parser with `allow_abbrev` on: `--max-model 2048` is
 `--max-model-len 2048`, `--gpu_memory_util=0.99` is `--gpu-memory-utilization`. So an extra arg is
-judged by the option it resolves to (its `dest`), never by its spelling. The table of options is
-vLLM's own (`vllm_options.py`, checked against the real parser by a test); with another vLLM
-installed, `installed_options()` builds it from that vLLM's parser.
+judged by the option it resolves to (its `dest`), never by its spelling. The tables of options are
+vLLM's own, one per supported version with a stored table (`vllm_options.py`, each checked against
+the real parser by a test where that version is installed); with another vLLM installed,
+`installed_options()` builds the table from that vLLM's parser.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import importlib.metadata
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from flashmodel_engine.vllm_options import OPTIONS, VLLM_VERSION
+from flashmodel_engine.vllm_options import TABLES
 
 Options = dict[str, tuple[str, str]]
 """option string -> (argparse dest, nargs as text: '0', '1', '2', ..., '?', '*', '+')."""
@@ -160,41 +162,57 @@ def vllm_parser() -> Any:
 
 
 def installed_options() -> Options | None:
-    """The installed vLLM's option table: the static one when it is that version, else built from its parser.
+    """The installed vLLM's option table: the stored one when there is one for its version, else its parser's.
 
     None without vLLM (the operator's image). Building the parser imports most of vLLM (tens of
-    seconds on a small machine), so the table for the engine image's version is stored.
+    seconds on a small machine), so the supported versions' tables are stored.
     """
     version = installed_vllm_version()
     if version is None:
         return None
-    if version.split("+")[0] == VLLM_VERSION:
-        return OPTIONS
+    stored = TABLES.get(version.split("+")[0])
+    if stored is not None:
+        return stored
     try:
         return parser_options(vllm_parser())
-    except Exception:  # a vLLM whose parser cannot be built here: the static table still refuses
-        return OPTIONS
+    except Exception:  # a vLLM whose parser cannot be built here: no table, only the guarded names refuse
+        return None
+
+
+def table_module(version: str) -> Path:
+    """Where the stored table of this vLLM version lives (`vllm_options_0_32_0.py` for 0.32.0)."""
+    return Path(__file__).with_name("vllm_options_" + version.replace(".", "_") + ".py")
+
+
+def table_source(version: str, table: Options) -> str:
+    """The generated module that stores `table` as vLLM `version`'s."""
+    lines = [
+        f'"""vLLM {version}\'s OpenAI-server options: option string -> (dest, nargs). Generated, do not edit.',
+        "",
+        "Regenerate with `python -m flashmodel_engine.vllm_flags` in a venv with this vLLM; it is listed in",
+        "vllm_options.TABLES, and tests/engine/test_vllm_flags.py checks it against the real parser.",
+        '"""',
+        "",
+        f'VLLM_VERSION = "{version}"',
+        "",
+        "OPTIONS: dict[str, tuple[str, str]] = {",
+        *(f'    "{option}": ("{table[option][0]}", "{table[option][1]}"),' for option in sorted(table)),
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _dump() -> None:
-    """Write vllm_options.py for the installed vLLM (see that module's docstring)."""
-    # vLLM 0.26 logs to stdout while it imports; the table is this command's only stdout.
+    """Write the installed vLLM's stored table (see `table_source`) and say where."""
+    # vLLM 0.26 logs to stdout while it imports; the path is this command's only stdout.
     with contextlib.redirect_stdout(sys.stderr):
         table = parser_options(vllm_parser())
     version = (installed_vllm_version() or "unknown").split("+")[0]
-    print('"""vLLM ' + version + "'s OpenAI-server options: option string -> (dest, nargs). Generated, do not edit.")
-    print()
-    print("Regenerate with `python -m flashmodel_engine.vllm_flags > engine/flashmodel_engine/vllm_options.py` on a")
-    print("machine with the engine image's vLLM; tests/engine/test_vllm_flags.py checks it against the real parser.")
-    print('"""')
-    print()
-    print(f'VLLM_VERSION = "{version}"')
-    print()
-    print("OPTIONS: dict[str, tuple[str, str]] = {")
-    for option in sorted(table):
-        dest, nargs = table[option]
-        print(f'    "{option}": ("{dest}", "{nargs}"),')
-    print("}")
+    path = table_module(version)
+    path.write_text(table_source(version, table))
+    print(path)
+    if version not in TABLES:
+        print(f"add vLLM {version} to TABLES in {path.with_name('vllm_options.py')}", file=sys.stderr)
 
 
 if __name__ == "__main__":

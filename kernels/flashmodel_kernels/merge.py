@@ -74,14 +74,17 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = (tok * num_q_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    # Every token sees at least itself, so at least one split has a finite log-sum.
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # [NUM_SPLITS_PAD]
+    # A real token sees at least itself, so one split has a finite log-sum; a padded slot of a
+    # CUDA-graph batch (sequence length 0) has none and must still come out finite: zeros.
+    lse_max = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # [NUM_SPLITS_PAD]
     part = tl.load(
         part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
         mask=(offs_s < num_splits)[:, None],
         other=0.0,
     )  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
-    merged = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    weight_sum = tl.sum(weight, axis=0)
+    merged = tl.sum(part * weight[:, None], axis=0) / tl.where(weight_sum > 0.0, weight_sum, 1.0)
     tl.store(
         out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
         merged.to(out_ptr.dtype.element_ty),

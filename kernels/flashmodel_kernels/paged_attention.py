@@ -23,6 +23,7 @@ sequence) can skip the search that maps programs to sequences (``decode_path``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +31,7 @@ from flashmodel_kernels._triton import INTERPRETING, tl, triton
 from flashmodel_kernels.merge import merge_split_rows, merge_splits
 from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig, multiprocessor_count, plan_launch, wide_tiles_fit
 
-__all__ = ["paged_attention"]
+__all__ = ["SplitWorkspace", "paged_attention"]
 
 
 @triton.jit
@@ -264,6 +265,42 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return counters
 
 
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """Split-KV scratch allocated once and read by every call: what a captured CUDA graph needs.
+
+    A graph replays the pointers it captured, so the scratch of a split launch must outlive the
+    capture and be the same memory on every replay (vLLM's own backends keep theirs the same way).
+    ``part_out`` and ``part_lse`` are flat fp32 buffers of ``rows`` split rows; ``arrivals`` the
+    fused merge's counters, zero between calls (the merging program zeroes its own again).
+    """
+
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    arrivals: torch.Tensor
+
+    @classmethod
+    def allocate(cls, *, rows: int, head_dim: int, counters: int, device: torch.device | str) -> SplitWorkspace:
+        head_dim_pad = triton.next_power_of_2(head_dim)
+        return cls(
+            part_out=torch.empty(max(1, rows) * head_dim_pad, dtype=torch.float32, device=device),
+            part_lse=torch.empty(max(1, rows), dtype=torch.float32, device=device),
+            arrivals=torch.zeros(max(1, counters), dtype=torch.int32, device=device),
+        )
+
+    def views(
+        self, num_tokens: int, num_q_heads: int, num_splits: int, head_dim_pad: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``part_out`` and ``part_lse`` shaped for one launch, or None where they are too small."""
+        rows = num_tokens * num_q_heads * num_splits
+        if rows > self.part_lse.numel() or rows * head_dim_pad > self.part_out.numel():
+            return None
+        return (
+            self.part_out[: rows * head_dim_pad].view(num_tokens, num_q_heads, num_splits, head_dim_pad),
+            self.part_lse[:rows].view(num_tokens, num_q_heads, num_splits),
+        )
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, 16, num_kv_heads, head_dim]
@@ -277,11 +314,15 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
     config: LaunchConfig | None = None,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached keys and values.
 
     The new tokens' keys and values must already be in the cache (vLLM writes them first).
     ``max_query_len`` and ``max_seq_len`` are host-side bounds used only to pick the tiling.
+    A split launch keeps its scratch in ``workspace`` where it fits, else allocates it. Nothing
+    here reads a device value on the host: every per-sequence length is read by the kernel, so a
+    launch captured in a CUDA graph stays right for any lengths a replay brings (``graph.py``).
     Returns ``out`` (allocated like ``query`` when not given).
     """
     num_tokens, num_q_heads, head_dim = query.shape
@@ -316,7 +357,10 @@ def paged_attention(
         )
     head_dim_pad = triton.next_power_of_2(head_dim)
     splits = config.num_splits
-    if splits > 1:
+    views = workspace.views(num_tokens, num_q_heads, splits, head_dim_pad) if workspace and splits > 1 else None
+    if views is not None:
+        part_out, part_lse = views
+    elif splits > 1:
         part_out = torch.empty(
             (num_tokens, num_q_heads, splits, head_dim_pad), dtype=torch.float32, device=query.device
         )
@@ -326,7 +370,13 @@ def paged_attention(
     # A pure decode batch (one new token per sequence) may take the kernel's search-free path.
     decode = config.decode_path and max_query_len <= 1 and num_tokens == num_seqs
     grid = (num_seqs if decode else num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
-    arrivals = _arrival_counters(query.device, grid[0] * num_kv_heads) if splits > 1 and config.fuse_merge else None
+    arrivals = None
+    if splits > 1 and config.fuse_merge:
+        needed = grid[0] * num_kv_heads
+        if workspace is not None and workspace.arrivals.numel() >= needed:
+            arrivals = workspace.arrivals
+        else:
+            arrivals = _arrival_counters(query.device, needed)
     _paged_attention_kernel[grid](
         out,
         part_out,

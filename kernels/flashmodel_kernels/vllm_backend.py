@@ -12,7 +12,16 @@ limits can need (``precompile``), so no JIT compile stalls serving later;
 
 ``FLASHMODEL_TILE_VERIFY=1`` also runs vLLM's Triton kernel on every call and logs the relative
 difference (one line per call for the first calls, then every 500th): the proof that the two
-agree inside a real engine. It doubles the attention time; never set it in production.
+agree inside a real engine. It doubles the attention time; never set it in production. Calls
+replayed from a CUDA graph run no Python, so it checks eager calls only.
+
+CUDA graphs: the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``, so under vLLM's default
+``FULL_AND_PIECEWISE`` every pure decode step of a captured batch size replays one full graph
+and mixed steps run attention eagerly between piecewise graphs. For a captured size the launch
+plan comes from ``graph.GraphPlans`` (batch size and ``max_model_len``, never this step's
+lengths) and the split scratch is one persistent ``SplitWorkspace``; nothing in ``forward``
+reads a device value on the host. (Mixed prefill-decode batches are not captured: their grid
+follows the token count, which a captured graph would freeze.)
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -31,11 +41,12 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from flashmodel_kernels.paged_attention import paged_attention
-from flashmodel_kernels.plan import PAGE_SIZE
+from flashmodel_kernels.graph import GraphPlans, LayerShape
+from flashmodel_kernels.paged_attention import SplitWorkspace, paged_attention
+from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig
 from flashmodel_kernels.variants import compiled_variants, precompile
 
-__all__ = ["TileAttentionBackend", "TileAttentionImpl", "TileAttentionMetadataBuilder"]
+__all__ = ["TileAttentionBackend", "TileAttentionImpl", "TileAttentionMetadata", "TileAttentionMetadataBuilder"]
 
 logger = logging.getLogger("vllm.plugins.flashmodel_tile_attention")
 
@@ -72,15 +83,82 @@ def _engine_limits() -> dict[str, int]:
         return dict(_DEFAULT_LIMITS)
 
 
-class TileAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
-    """vLLM's Triton metadata, declared outside CUDA graphs.
+@dataclass
+class TileAttentionMetadata(TritonAttentionMetadata):
+    """vLLM's Triton metadata plus what a captured launch must keep fixed."""
 
-    The kernel picks its split count from host-side sizes; under a captured graph that choice
-    would be frozen at capture time. That stays correct (bounds are read on the device) but is
-    untested, so vLLM keeps attention out of graphs (piecewise). The T4 profile runs eager anyway.
+    tile_plan: LaunchConfig | None = None
+    """The plan of a captured decode size (``GraphPlans``); None: plan from this step's sizes."""
+    tile_workspace: SplitWorkspace | None = None
+    """Split scratch that outlives every call, so a captured launch's pointers stay valid."""
+
+
+_FULL_GRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")
+
+
+def _full_graph_capture_sizes(vllm_config: Any) -> list[int]:
+    """The decode batch sizes vLLM may capture as full graphs; empty when it captures none.
+
+    vLLM's dispatcher captures full decode graphs only up to ``max_num_seqs`` tokens (a decode
+    batch has no more); larger capture sizes are piecewise graphs of mixed batches.
+    """
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode))
+    if mode not in _FULL_GRAPH_MODES:
+        return []
+    limit = int(vllm_config.scheduler_config.max_num_seqs)
+    return sorted({int(n) for n in compilation.cudagraph_capture_sizes or [] if int(n) <= limit})
+
+
+class TileAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    """vLLM's Triton metadata, with a fixed plan and persistent scratch for captured decode sizes.
+
+    Uniform single-token decode only: a decode batch's grid is its (padded) sequence count,
+    fixed per captured size, while a mixed batch's grid follows its token count.
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        shape = LayerShape.on_device(
+            num_q_heads=self.num_heads_q,
+            num_kv_heads=self.num_heads_kv,
+            head_dim=self.headdim,
+            max_model_len=int(vllm_config.model_config.max_model_len),
+            device=torch.device(device),
+        )
+        sizes = _full_graph_capture_sizes(vllm_config)
+        self.graph_plans = GraphPlans(shape, sizes, device)
+        if sizes:
+            logger.info(
+                "flashmodel tile attention CUDA graphs (uniform decode): max_model_len=%d %s",
+                shape.max_model_len,
+                self.graph_plans.describe(),
+            )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> TileAttentionMetadata:
+        # vLLM's Triton builder sets every length to 1 here (a fast capture); the captured plan
+        # never reads lengths, so the graph is the same as one captured at any other lengths.
+        metadata = super().build_for_cudagraph_capture(common_attn_metadata)
+        if not isinstance(metadata, TileAttentionMetadata):
+            raise TypeError(f"vLLM's capture build returned {type(metadata).__name__}, not this builder's metadata")
+        return metadata
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
+    ) -> TileAttentionMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        plan = self.graph_plans.plan(
+            num_seqs=int(common_attn_metadata.num_reqs),
+            num_tokens=int(base.num_actual_tokens),
+            max_query_len=int(base.max_query_len),
+        )
+        return TileAttentionMetadata(
+            **{f.name: getattr(base, f.name) for f in fields(base)},
+            tile_plan=None if common_prefix_len > 0 else plan,  # cascade attention runs eagerly
+            tile_workspace=self.graph_plans.workspace,
+        )
 
 
 class TileAttentionBackend(TritonAttentionBackend):
@@ -176,7 +254,7 @@ class TileAttentionImpl(TritonAttentionImpl):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,  # logical [num_blocks, num_kv_heads, 16, 2 * head_size]
-        attn_metadata: TritonAttentionMetadata,
+        attn_metadata: TritonAttentionMetadata,  # TileAttentionMetadata from this backend's builder
         output: torch.Tensor,  # [num_tokens, num_heads, head_size]
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -190,7 +268,10 @@ class TileAttentionImpl(TritonAttentionImpl):
         # strided views of it, [num_blocks, 16, num_kv_heads, head_size], read through strides.
         kv = kv_cache.transpose(1, 2)
         key_cache, value_cache = kv[..., : self.head_size], kv[..., self.head_size :]
-        if self._precompile and not _Tally.precompiled:
+        # While vLLM captures a graph, only the launch below may run on the device: precompiling
+        # (many launches) and verifying (a host read) wait for an eager call.
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self._precompile and not _Tally.precompiled and not capturing:
             _Tally.precompiled = True
             started = time.monotonic()
             before = compiled_variants()
@@ -206,6 +287,7 @@ class TileAttentionImpl(TritonAttentionImpl):
                 time.monotonic() - started,
                 self._limits,
             )
+        tile = attn_metadata if isinstance(attn_metadata, TileAttentionMetadata) else None
         paged_attention(
             query[:n],
             key_cache,
@@ -217,6 +299,8 @@ class TileAttentionImpl(TritonAttentionImpl):
             max_seq_len=attn_metadata.max_seq_len,
             scale=self.scale,
             out=output[:n],
+            config=tile.tile_plan if tile else None,
+            workspace=tile.tile_workspace if tile else None,
         )
         if _Tally.calls == 0:
             logger.info(
@@ -242,7 +326,7 @@ class TileAttentionImpl(TritonAttentionImpl):
                 attn_metadata.max_seq_len,
             )
             _Tally.variants = variants
-        if self._verify:
+        if self._verify and not capturing:
             self._compare_with_triton_attn(layer, query, key, value, kv_cache, attn_metadata, output, n)
         return output
 

@@ -127,6 +127,28 @@ class Cluster:
         kind: str = "",
         retry_throttled: bool = True,
     ) -> Any:
+        """The response body of one API request (see _send)."""
+        return self._send(
+            method,
+            path,
+            body=body,
+            query=query,
+            content_type=content_type,
+            kind=kind,
+            retry_throttled=retry_throttled,
+        )[1]
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, Any]] | None = None,
+        content_type: str | None = None,
+        kind: str = "",
+        retry_throttled: bool = True,
+    ) -> tuple[int, Any]:
         """One API request, sent again after a pause on a transient failure (see RETRY_STATUSES).
 
         The pauses are short and bounded, like client-go's own retries, so one dropped connection
@@ -156,7 +178,7 @@ class Cluster:
                 reason, pause = type(exc).__name__, delay
             else:
                 if 200 <= response.status < 300:
-                    return json.loads(data) if data else None
+                    return response.status, json.loads(data) if data else None
                 error = ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
                 if delay is None or not transient(error) or (response.status == 429 and not retry_throttled):
                     raise error
@@ -183,11 +205,17 @@ class Cluster:
         items: list[dict[str, Any]] = result.get("items", [])
         return items
 
-    def apply(self, desired: dict[str, Any]) -> ApplyResult:
-        """Server-side apply `desired` unless the live object already matches it; force only on our children."""
+    def apply(self, desired: dict[str, Any], known_absent: bool = False) -> ApplyResult:
+        """Server-side apply `desired` unless the live object already matches it; force only on our children.
+
+        `known_absent`: the caller has reason to think the object does not exist yet (a model's first
+        pass), so the read that would show it unchanged is skipped; the apply is correct either way.
+        """
         meta = desired["metadata"]
         digest = content_hash(desired)
-        live = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        live = None
+        if not known_absent:
+            live = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         if live is not None:
             applied = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)
             if applied == digest and contains(live, desired):
@@ -197,7 +225,7 @@ class Cluster:
             "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}},
         }
         path = f"{collection_path(desired['apiVersion'], desired['kind'], meta['namespace'])}/{meta['name']}"
-        self._call(
+        status, _ = self._send(
             "PATCH",
             path,
             body=body,
@@ -205,7 +233,8 @@ class Cluster:
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
-        return "created" if live is None else "updated"
+        # The API server answers an apply that made the object with 201 Created.
+        return "created" if status == 201 else "updated"
 
     def create(self, desired: dict[str, Any]) -> bool:
         """Create `desired` unless an object of its name exists (then False): for what must be made only once."""

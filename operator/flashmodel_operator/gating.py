@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
+from flashmodel_engine.contract import SHIM_PORT
 from pydantic import ValidationError
 
 from flashmodel_operator.apply import Cluster, transient
@@ -23,14 +25,34 @@ from flashmodel_operator.pod_state import (
     pod_is_ready,
 )
 from flashmodel_operator.prewarm_gate import prewarm
-from flashmodel_operator.remediation import PodHealth
+from flashmodel_operator.remediation import CONFIRM_SECONDS, PodHealth
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.settings import current
-from flashmodel_operator.shim_client import ShimClient
+from flashmodel_operator.shim_client import ShimClient, ShimConnection
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+FlashModelLookup = Callable[[str, str], "dict[str, Any] | None"]
+"""(namespace, name) -> the FlashModel as the operator's watch last saw it, or None when it has not."""
+
+POLL_JITTER = 0.1
+"""Each poll comes up to this fraction of monitor_seconds early or late: a fleet's pods, started
+together by one burst, would otherwise be polled in lock-step bursts for as long as they live."""
+
+
+def poll_delay(now: float, deadlines: list[float]) -> float:
+    """The pause before the next health poll: monitor_seconds, jittered (mean unchanged), or less.
+
+    Less when a fault seen on an earlier poll (a failing readiness, a divergence signal) reaches its
+    threshold sooner: the poll then lands on the threshold, not up to a whole period after it.
+    """
+    delay = current().monitor_seconds * random.uniform(1 - POLL_JITTER, 1 + POLL_JITTER)
+    for deadline in deadlines:
+        # A little past the threshold, so the comparison `now - since >= threshold` holds on that poll.
+        delay = min(delay, max(0.1, deadline - now + 0.05))
+    return delay
 
 
 class PodWatch:
@@ -44,10 +66,19 @@ class PodWatch:
         name: str,
         model: str,
         live_body: Mapping[str, Any] | None = None,
+        flashmodels: FlashModelLookup | None = None,
     ) -> None:
         self.cluster = cluster
         self.live_body = live_body
         """kopf's live view of the pod (updated from the watch stream), so waiting costs no API reads."""
+        self.flashmodels = flashmodels
+        """The operator's watch of FlashModels: a warm pod's poll reads its model from memory, not the API."""
+        self.gate_written: bool | None = None
+        """The gate value this watch last wrote; the live view may not show it yet."""
+        self._spec: tuple[tuple[str, int], FlashModelSpec] | None = None
+        self.shim_port = SHIM_PORT
+        self.connection: ShimConnection | None = None
+        """The kept-alive connection of this pod's polls (its IP is fixed for the pod's life)."""
         self.session = session
         self.namespace = namespace
         self.name = name
@@ -92,6 +123,8 @@ class PodWatch:
                     return
                 await asyncio.sleep(delay)
         finally:
+            if self.connection is not None:
+                self.connection.close()
             async with self.state.lock:
                 self.state.pods.pop(self.name, None)
                 self.state.health.pop(self.name, None)
@@ -101,35 +134,61 @@ class PodWatch:
 
     async def step(self) -> float | None:
         """One look at the pod; the seconds until the next, or None when the watch is over."""
+        pod: dict[str, Any] | None = None
         if self.live_body is not None:
             # A Pending pod (no GPU node free, image pulling) can wait for hours; reading it from
             # the API every second made 400 Pending pods cost ~150 reads/s and most of a core.
             seen = self.live_body.get("status") or {}
             if seen.get("phase") != "Running" or not seen.get("podIP"):
                 return 1.0
-        pod = await self.api(self.cluster.get, "v1", "Pod", self.namespace, self.name)
+            if gate_is_true(self.live_body) and self.gate_written is not False:
+                # A warm pod, polled every few seconds for as long as it lives: the watch stream's
+                # view is current enough for its health, and 1,000 pods would otherwise cost
+                # 200 pod reads a second. Anything in transition (prewarm, a gate this watch just
+                # closed) reads the pod fresh below.
+                pod = dict(self.live_body)
+        if pod is None:
+            pod = await self.api(self.cluster.get, "v1", "Pod", self.namespace, self.name)
         if pod is None or pod["metadata"].get("deletionTimestamp"):
             return None
         status = pod.get("status") or {}
         ip = status.get("podIP")
         if not ip or status.get("phase") != "Running":
             return 1.0
-        fm = await self.api(self.cluster.get_flashmodel, self.namespace, self.model)
+        fm = self.flashmodels(self.namespace, self.model) if self.flashmodels is not None else None
+        if fm is None:
+            fm = await self.api(self.cluster.get_flashmodel, self.namespace, self.model)
         if fm is None:
             return None
-        try:
-            spec = FlashModelSpec.model_validate(fm.get("spec") or {})
-        except ValidationError:
+        spec = self.spec_of(fm)
+        if spec is None:
             return current().monitor_seconds  # the reconcile reports the spec problem
         if self.state.control_token is None:
             # The Secret is made before the Deployment and lives as long as the model: read it once.
             self.state.control_token = await self.api(
                 self.cluster.secret_value, self.namespace, control_secret_name(self.model), CONTROL_TOKEN_KEY
             )
-        shim = ShimClient(self.session, ip, token=self.state.control_token)
+        if self.connection is None or self.connection.host != ip:
+            self.connection = ShimConnection(ip, self.shim_port)
+        shim = ShimClient(
+            self.session, ip, port=self.shim_port, token=self.state.control_token, connection=self.connection
+        )
         if not gate_is_true(pod):
             return await prewarm(self, pod, fm, spec, shim)
         return await self.watch_health(pod, fm, spec, shim)
+
+    def spec_of(self, fm: Mapping[str, Any]) -> FlashModelSpec | None:
+        """The model's spec, validated once per generation (None when invalid): a poll must not re-parse it."""
+        meta = fm.get("metadata") or {}
+        key = (str(meta.get("uid", "")), int(meta.get("generation", 0)))
+        if self._spec is not None and self._spec[0] == key and key != ("", 0):
+            return self._spec[1]
+        try:
+            spec = FlashModelSpec.model_validate(fm.get("spec") or {})
+        except ValidationError:
+            return None
+        self._spec = (key, spec)
+        return spec
 
     async def watch_health(
         self, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
@@ -149,8 +208,10 @@ class PodWatch:
             await self.write_pods_status()
             return 0.5
         metrics = await shim.metrics()
-        live = await shim.live()
         ready = await shim.ready(spec.health.readiness_deadline_seconds + 2)
+        # Liveness only matters once generation fails (hung = alive but not generating): a steady
+        # pod costs two requests a poll, not three.
+        live = True if ready else await shim.live()
         if metrics is not None:
             if self.generation_seen is None:
                 self.generation_seen = metrics.generation
@@ -188,10 +249,16 @@ class PodWatch:
             async with self.state.lock:
                 if self.state.in_flight == decision.pod:
                     self.state.in_flight = None  # its own watch picks it up on its next step
-        return current().monitor_seconds
+        deadlines = []
+        if self.readyz_failing_since is not None and live:
+            deadlines.append(self.readyz_failing_since + spec.remediation.hung_readiness_seconds)
+        if self.divergent_since is not None:
+            deadlines.append(self.divergent_since + CONFIRM_SECONDS)
+        return poll_delay(time.monotonic(), deadlines)
 
     async def set_gate(self, value: bool, reason: str, message: str) -> None:
         await self.api(self.cluster.set_pod_condition, self.namespace, self.name, PREWARM_GATE, value, reason, message)
+        self.gate_written = value
 
     async def write_pods_status(self) -> None:
         await write_pods(self.cluster, self.namespace, self.model, self.state)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
+import resource
+import threading
 from typing import Any
 
 import aiohttp
@@ -25,11 +29,15 @@ log = logging.getLogger(__name__)
 
 # kopf takes these when it imports this module, which `python -m flashmodel_operator` does after it
 # read the environment (settings.load).
-RESYNC_SECONDS = current().resync_seconds
 HANDLER_BACKOFF_SECONDS = current().handler_backoff_seconds
 _OWNED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 _cluster: Cluster | None = None
+_shim_session: aiohttp.ClientSession | None = None
+_resync_task: asyncio.Task[None] | None = None
+
+FLASHMODELS: dict[tuple[str, str], dict[str, Any]] = {}
+"""Every FlashModel as the watch last delivered it: the pod watches' and the resync's view, no API reads."""
 
 
 def cluster() -> Cluster:
@@ -59,16 +67,58 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 0.5
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    # kopf holds each event this long for later ones of the same object (default 0.1 s); one write
+    # produces one event here, and the reconcile reads the object fresh anyway, so the default wait
+    # would only delay every create's first child.
+    settings.batching.batch_window = 0.01
+    # A socket per engine pod's kept-alive shim connection: a 1,000-pod fleet must not hit the
+    # usual soft limit of 1,024 open files (the hard limit is the node's to set).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
     port = current().metrics_port
     if port:
         start_http_server(port)  # flashmodel_operator_* for Prometheus
 
 
-def _reconcile_latest(namespace: str | None, name: str) -> None:
+@kopf.on.startup()
+async def start_resync(**_: Any) -> None:
+    global _resync_task
+    if current().resync_seconds > 0:
+        _resync_task = asyncio.create_task(resync_fleet(current().resync_seconds))
+
+
+@kopf.on.cleanup()
+async def stop(**_: Any) -> None:
+    global _shim_session
+    if _resync_task is not None:
+        _resync_task.cancel()
+    if _shim_session is not None:
+        await _shim_session.close()
+        _shim_session = None
+
+
+def shim_session() -> aiohttp.ClientSession:
+    """One aiohttp pool for every engine pod's shim: the prewarm POSTs (the polls have their own streams).
+
+    A session per pod would be a connection pool and a set of buffers per pod, for a request or
+    two in the pod's life.
+    """
+    global _shim_session
+    if _shim_session is None or _shim_session.closed:
+        # No total limit: a prewarm may take its whole timeout (minutes on a slow engine) and must not
+        # hold up the other pods' prewarms; a shim never needs more than a few connections at once.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30)
+        _shim_session = aiohttp.ClientSession(connector=connector)
+    return _shim_session
+
+
+def _reconcile_latest(namespace: str | None, name: str, fresh: dict[str, Any] | None = None) -> None:
     if namespace is None:  # FlashModel is namespaced; kopf types allow None for cluster objects
         return
     # Read the object fresh: the status this pass compares against must be the latest written.
-    body = cluster().get_flashmodel(namespace, name)
+    # `fresh`: the caller holds a body no pass has written to yet (a create event), which is as good.
+    body = fresh if fresh is not None else cluster().get_flashmodel(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     try:
@@ -91,11 +141,54 @@ def _reconcile_latest(namespace: str | None, name: str) -> None:
         )
 
 
+_child_lock = threading.Lock()
+_child_running: set[tuple[str, str]] = set()
+_child_again: set[tuple[str, str]] = set()
+
+
+def reconcile_for_child(namespace: str | None, name: str) -> None:
+    """A pass for a child's event (its Deployment, pods, HPA), folding events that arrive meanwhile into one more.
+
+    A new model's pods and Deployment change a dozen times in its first seconds (scheduled, running,
+    gated, ready; the ReplicaSet's counts), each a watch event. A pass reads the latest of everything,
+    so events that arrive while one runs need one pass after it, not one each: in a burst of 300 new
+    models that is most of the passes.
+    """
+    if namespace is None:
+        return
+    key = (namespace, name)
+    with _child_lock:
+        if key in _child_running:
+            _child_again.add(key)  # the running pass goes once more when it is done
+            return
+        _child_running.add(key)
+    try:
+        while True:
+            try:
+                _reconcile_latest(namespace, name)
+            except Exception:
+                with _child_lock:
+                    if key not in _child_again:
+                        raise
+                # An event came during the failed pass: its own pass would have run; this one does.
+            with _child_lock:
+                if key not in _child_again:
+                    break
+                _child_again.discard(key)
+    finally:
+        with _child_lock:
+            _child_running.discard(key)
+            _child_again.discard(key)
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
 @kopf.on.create(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
 @kopf.on.update(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)
-def on_flashmodel_change(namespace: str | None, name: str, **_: Any) -> None:
-    _reconcile_latest(namespace, name)
+def on_flashmodel_change(namespace: str | None, name: str, body: kopf.Body, reason: str, retry: int, **_: Any) -> None:
+    # A model just created, on its first try, has no status for the pass to compare against: the
+    # event's body is the latest, and reading it again would only delay its first pod.
+    first = reason == "create" and retry == 0 and not body.get("status")
+    _reconcile_latest(namespace, name, copy.deepcopy(dict(body)) if first else None)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -105,11 +198,43 @@ def on_flashmodel_deleted(namespace: str | None, name: str, **_: Any) -> None:
         forget_model(namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS,
-            backoff=HANDLER_BACKOFF_SECONDS)
-def resync(namespace: str | None, name: str, **_: Any) -> None:
-    # Catches drift in children and anything a missed watch event would have told us.
-    _reconcile_latest(namespace, name)
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
+    if namespace is None:
+        return
+    if type == "DELETED":
+        FLASHMODELS.pop((namespace, name), None)
+    else:
+        FLASHMODELS[(namespace, name)] = copy.deepcopy(dict(body))
+
+
+def cached_flashmodel(namespace: str, name: str) -> dict[str, Any] | None:
+    return FLASHMODELS.get((namespace, name))
+
+
+async def resync_fleet(period: float) -> None:
+    """The safety net for drift and missed events: every model reconciled once per period, spread evenly.
+
+    Changes are handled as their watch events arrive (the model, its Deployment, its pods, its HPA);
+    this catches what no event announces (an edited ConfigMap, Service or PDB). One loop paces the
+    fleet: a timer per model would start all of them together at start-up and fire in a burst of
+    1,000 reconciles every period.
+    """
+    while True:
+        models = sorted(FLASHMODELS)
+        if not models:
+            # At start-up the watch has not listed the models yet: look again soon, not a period later.
+            await asyncio.sleep(min(period, 5.0))
+            continue
+        for namespace, name in models:
+            # The pace follows the fleet as it is now: models added during a pass come in the next.
+            await asyncio.sleep(period / max(1, len(FLASHMODELS)))
+            if (namespace, name) not in FLASHMODELS:
+                continue
+            try:
+                await asyncio.to_thread(_reconcile_latest, namespace, name)
+            except Exception as exc:  # the next event or the next period tries again
+                log.warning("event=resync-failed model=%s/%s error=%s: %s", namespace, name, type(exc).__name__, exc)
 
 
 SECRET_WAIT_SECONDS = 2.0
@@ -123,8 +248,9 @@ def _waiting_for_secret(status: kopf.Status, **_: Any) -> bool:
     )
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=SECRET_WAIT_SECONDS, when=_waiting_for_secret,
-            backoff=HANDLER_BACKOFF_SECONDS)
+@kopf.timer(
+    GROUP, VERSION, PLURAL, interval=SECRET_WAIT_SECONDS, when=_waiting_for_secret, backoff=HANDLER_BACKOFF_SECONDS
+)
 def wait_for_secret(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> None:
     # A model waiting for a Secret (no Deployment until it exists) goes on within seconds of its
     # creation, not at the next resync. One GET by name while it waits: a watch would need list and
@@ -154,7 +280,7 @@ def _owner_name(body: kopf.Body) -> str | None:
 def on_deployment_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
     owner = _owner_name(body)
     if owner is not None and type != "DELETED":
-        _reconcile_latest(namespace, owner)
+        reconcile_for_child(namespace, owner)
 
 
 @kopf.on.event("", "v1", "pods", labels=_OWNED)
@@ -162,7 +288,7 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
     # Pods belong to ReplicaSets; the model label names the FlashModel directly.
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model:
-        _reconcile_latest(namespace, model)
+        reconcile_for_child(namespace, model)
 
 
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels={f"{GROUP}/model": kopf.PRESENT})
@@ -171,7 +297,7 @@ def on_hpa_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
     # FlashModel's Autoscaling condition. KEDA's HPA carries the ScaledObject's labels, the model's included.
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model and type != "DELETED":
-        _reconcile_latest(namespace, model)
+        reconcile_for_child(namespace, model)
 
 
 @kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5, backoff=HANDLER_BACKOFF_SECONDS)
@@ -182,5 +308,5 @@ async def engine_pod(
     model = model_of(dict(labels))
     if namespace is None or model is None:
         return
-    async with aiohttp.ClientSession() as session:
-        await PodWatch(cluster(), session, namespace, name, model, live_body=body).run(stopped)
+    watch = PodWatch(cluster(), shim_session(), namespace, name, model, live_body=body, flashmodels=cached_flashmodel)
+    await watch.run(stopped)

@@ -233,10 +233,10 @@ _FLAG_RULES = (
         ),
     ),
     _flag_rule(
-        ("--max-num-seqs", "--max-cudagraph-capture-size", "--cudagraph-capture-sizes"),
+        ("--max-num-seqs",),
         (
-            "extraArgs must not set --max-num-seqs, --max-cudagraph-capture-size or --cudagraph-capture-sizes "
-            "(nor abbreviate them), the profile enforces them; set spec.engine.maxNumSeqs instead"
+            "extraArgs must not set --max-num-seqs (nor abbreviate it), the profile enforces it; set "
+            "spec.engine.maxNumSeqs instead"
         ),
     ),
     _flag_rule(
@@ -247,10 +247,11 @@ _FLAG_RULES = (
         ),
     ),
     _flag_rule(
-        ("--max-num-batched-tokens",),
+        ("--max-num-batched-tokens", "--max-cudagraph-capture-size", "--cudagraph-capture-sizes"),
         (
-            "extraArgs must not set --max-num-batched-tokens (nor abbreviate it), the profile enforces it; "
-            "set spec.engine.maxNumBatchedTokens instead"
+            "extraArgs must not set --max-num-batched-tokens, --max-cudagraph-capture-size or "
+            "--cudagraph-capture-sizes (nor abbreviate them), the profile enforces them (graphs are captured "
+            "up to the prefill budget); set spec.engine.maxNumBatchedTokens instead"
         ),
     ),
     _flag_rule(
@@ -451,7 +452,8 @@ class EngineSpec(_Spec):
         le=131072,
         description=(
             "The prefill cap: most tokens scheduled in one step (--max-num-batched-tokens); at least "
-            "maxModelLen unless extraArgs has --enable-chunked-prefill. Default 4096."
+            "maxModelLen unless extraArgs has --enable-chunked-prefill. On t4 CUDA graphs are captured for "
+            "steps up to it, so it also sizes the graph pool. Default 4096."
         ),
     )
     dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = Field(
@@ -463,8 +465,8 @@ class EngineSpec(_Spec):
         default=None,
         description=(
             "Skip CUDA graphs (--enforce-eager). Unset: the profile decides (t4: graphs on, captured for "
-            "batches up to maxNumSeqs; cpu: eager). Eager saves the graph pool (about 0.4 GiB) and the "
-            "capture at start-up, and makes every decode step slower."
+            "steps up to maxNumBatchedTokens; cpu: eager). Eager saves the graph pool (about 1.5 GiB at "
+            "1.5B with the default 4096-token budget) and the capture at start-up, and makes every step slower."
         ),
     )
     attention_backend: Literal["triton", "tile", "auto"] = Field(

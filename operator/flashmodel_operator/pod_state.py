@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +62,7 @@ PREWARMED_REASONS = frozenset({"PrewarmSucceeded", "PrewarmDisabled"})
 """The gate reasons this operator writes when it opens the gate; anything else did not see our prewarm."""
 
 
-def gate_is_true(pod: dict[str, Any]) -> bool:
+def gate_is_true(pod: Mapping[str, Any]) -> bool:
     """The pod's readiness gate is open, and by this operator after a prewarm it saw succeed.
 
     A gate set True by anyone else (kwok sets every readiness gate of the pods it runs) is no prewarm.

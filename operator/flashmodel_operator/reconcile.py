@@ -171,7 +171,11 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         return outcome
 
     template_hash = render_pod_template(fm)["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
-    pods = cluster.list("v1", "Pod", ns, selector_string(fm))
+    # A model never reconciled has no children and no pods of its own yet: its first pass writes
+    # without reading first, which brings its Deployment (and so its first pod) several requests
+    # sooner. Its pods' events start the next pass, which reads everything.
+    first_pass = "observedGeneration" not in status
+    pods = [] if first_pass else cluster.list("v1", "Pod", ns, selector_string(fm))
 
     # A refused preflight cannot succeed on retry: hold the Deployment at 0 for this spec and
     # say why, instead of letting the pod crash-loop. A spec change or the retry annotation
@@ -210,7 +214,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
             )
 
     # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
-    control_missing = cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
+    control_missing = first_pass or cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
     if control_missing and cluster.create(render_control_secret(fm, secrets.token_urlsafe(32))):
         log.info("event=control-secret-created model=%s/%s", ns, name)
 
@@ -221,33 +225,39 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         # and one without its hub token would fail its download; the Secret's arrival triggers a pass
         # within seconds (handlers.wait_for_secret).
         children = [c for c in children if c["kind"] != "Deployment"]
-    for child in children:
-        try:
-            result = cluster.apply(child)
-        except Exception as exc:
-            if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
-                # A dropped connection or a 5xx the client's retries did not outlast says nothing about
-                # the model: the handler's back-off retries it, and only a lasting failure is Degraded.
+    # The events go after the children, not between them: each is a write that would hold up the next child.
+    applied_events: list[str] = []
+    try:
+        for child in children:
+            try:
+                result = cluster.apply(child, known_absent=first_pass)
+            except Exception as exc:
+                if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
+                    # A dropped connection or a 5xx the client's retries did not outlast says nothing about
+                    # the model: the handler's back-off retries it, and only a lasting failure is Degraded.
+                    raise
+                # Without this the model would show no status at all while kopf retries (seen when a
+                # Service range was full): say which child the API server refused and why.
+                kind, child_name = child["kind"], child["metadata"]["name"]
+                code = exc.status if isinstance(exc, ApiException) else type(exc).__name__
+                detail = api_message(exc) if isinstance(exc, ApiException) else str(exc)[:300]
+                refused = Problem(
+                    "ApplyFailed",
+                    f"the API server refused {kind} {child_name} ({code}): {detail}; "
+                    "the operator retries with back-off",
+                )
+                outcome.problem = refused
+                _write_status(
+                    cluster, body, new_status, Observation(generation, fm.spec.replicas, problem=refused), outcome
+                )
                 raise
-            # Without this the model would show no status at all while kopf retries (seen when a
-            # Service range was full): say which child the API server refused and why.
-            kind, child_name = child["kind"], child["metadata"]["name"]
-            code = exc.status if isinstance(exc, ApiException) else type(exc).__name__
-            detail = api_message(exc) if isinstance(exc, ApiException) else str(exc)[:300]
-            refused = Problem(
-                "ApplyFailed",
-                f"the API server refused {kind} {child_name} ({code}): {detail}; "
-                "the operator retries with back-off",
-            )
-            outcome.problem = refused
-            _write_status(
-                cluster, body, new_status, Observation(generation, fm.spec.replicas, problem=refused), outcome
-            )
-            raise
-        outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
-        if result != "unchanged":
-            cluster.event(body, "Normal", "Applied", f"{result} {child['kind']} {child['metadata']['name']}")
-            log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
+            outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
+            if result != "unchanged":
+                applied_events.append(f"{result} {child['kind']} {child['metadata']['name']}")
+                log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
+    finally:
+        for message in applied_events:
+            cluster.event(body, "Normal", "Applied", message)
     scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
     deployment = cluster.get("apps/v1", "Deployment", ns, name) or {}

@@ -58,15 +58,15 @@ def test_the_spread_matches_vllm_bench_serve_random_range() -> None:
 def test_the_benchmark_runs_the_flags_the_launcher_renders() -> None:
     cases = {c.name: c for c in goodput_gpu.plan(smoke=False)}
     t4 = cases["t4-1.5b"].args
-    assert "--enforce-eager" not in t4 and t4[t4.index("--max-cudagraph-capture-size") + 1] == "256"
+    assert "--enforce-eager" not in t4 and t4[t4.index("--max-cudagraph-capture-size") + 1] == "4096"
     assert "--enforce-eager" in cases["eager-1.5b"].args
     assert cases["defaults-1.5b"].args == []
     assert not {"--model", "--port", "--host", "--gpu-memory-utilization"} & set(t4)
     # A candidate's flag comes after the profile's, so vLLM's parser (the last value wins) takes it.
-    graphs = cases["t4-graphs4096-1.5b"].args
+    graphs = cases["t4-graphs256-1.5b"].args
     assert (
         graphs[: len(t4)] == t4
-        and graphs[len(graphs) - 1 - graphs[::-1].index("--max-cudagraph-capture-size") + 1] == "4096"
+        and graphs[len(graphs) - 1 - graphs[::-1].index("--max-cudagraph-capture-size") + 1] == "256"
     )
 
 
@@ -172,3 +172,19 @@ def test_the_quantization_plan_forces_the_kernel_a_t4_runs_and_compares_with_fp1
     with (tmp_path / "model.safetensors").open("wb") as f:
         f.truncate(14 * 1024**3)  # the 7B in fp16
     assert not goodput_gpu.quant_memory_args(tmp_path, 140 * 1024**3)[1]["fits_t4_envelope"]
+
+
+def test_a_third_bisection_halves_the_goodput_bracket(tmp_path: Path) -> None:
+    from bench.slo import slo_gpu
+
+    env = slo_gpu.Env(out=tmp_path, work=tmp_path, models=tmp_path, python="python3", smoke=False)
+    env.deadline = 10**9
+    case = goodput_gpu.plan(smoke=False)[0]
+    seen = {64.0: True, 128.0: True, 256.0: True, 512.0: False, 384.0: False, 320.0: False}
+    # After two bisections (384, 320; the default) the search stops at 256 passing and 320
+    # failing: a bracket of 1.25x. A third tries 288.
+    assert loadgen.next_rate(seen, 2, goodput_gpu.search_settings(case, env, 90.0)) is None
+    env.bisect_steps = 3
+    finer = goodput_gpu.search_settings(case, env, 90.0)
+    assert loadgen.next_rate(seen, 2, finer) == 288.0
+    assert loadgen.next_rate(seen | {288.0: True}, 3, finer) is None

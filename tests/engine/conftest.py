@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.harness.kubelet import EngineTree
 from tests.support.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,9 +109,11 @@ class LaunchedEngine:
         )
         env.update(env_extra or {})
         self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        # As the e2e kubelet runs a pod's engine: stopping it ends vLLM's engine core and workers too.
+        self.tree = EngineTree(
             [sys.executable, "-m", "flashmodel_engine", "launch", "--config", str(self.config_path),
-             *(extra_args or [])], stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+             *(extra_args or [])], env, workdir.name, log_file=self.log_path, cwd=workdir)
+        self.proc = self.tree.proc
         self.started_at = time.monotonic()
 
     def get(self, path: str, timeout: float = 30) -> Reply:
@@ -152,13 +154,7 @@ class LaunchedEngine:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.tree.stop(grace=60)
         self.log.close()
 
 

@@ -240,7 +240,12 @@ def test_the_memory_plan_counts_the_cuda_graph_pool(tiny_model: Path) -> None:
     assert graphs.max_full_length_sequences < eager.max_full_length_sequences
 
 
-def test_the_graph_pool_estimate_reproduces_its_measurement() -> None:
-    # 1.5B shape captured up to 256 sequences: 0.28 GiB measured on the H200 (vLLM 0.26).
-    assert graph_pool_bytes(1536, 8960, 256) == int(0.28 * 1024**3)
-    assert graph_pool_bytes(1536, 8960, 64) == int(0.28 * 1024**3) // 4
+def test_the_graph_pool_estimate_reproduces_its_measurements() -> None:
+    gib = 1024**3
+    # 1.5B shape: 0.28 GiB captured up to 256 tokens, 1.21 GiB more up to 4096 (vLLM 0.26).
+    assert graph_pool_bytes(1536, 8960, 256) == int(0.28 * gib)
+    assert abs(graph_pool_bytes(1536, 8960, 4096) - 1.49 * gib) < 0.01 * gib
+    assert graph_pool_bytes(1536, 8960, 64) == int(0.28 * gib) // 4
+    # The 3B width (2048 + 11008) at 4096: 1.72 GiB measured; the estimate may not fall below it.
+    assert 1.72 * gib <= graph_pool_bytes(2048, 11008, 4096) < 1.95 * gib
+

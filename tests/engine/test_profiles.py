@@ -31,14 +31,15 @@ def test_t4_defaults_enforce_the_field_report_settings() -> None:
     assert flag(args, "--max-num-batched-tokens") == "4096"
     assert flag(args, "--attention-backend") == "TRITON_ATTN"
     assert flag(args, "--shutdown-timeout") == "25"
-    # CUDA graphs on, captured for decode batches up to maxNumSeqs.
+    # CUDA graphs on, captured for every step up to the prefill budget (maxNumBatchedTokens).
     assert "--enforce-eager" not in args
-    assert flag(args, "--max-cudagraph-capture-size") == "256"
+    assert flag(args, "--max-cudagraph-capture-size") == "4096"
     assert "--api-key" not in args
 
 
-def test_t4_graph_capture_follows_max_num_seqs_and_eager_drops_it() -> None:
-    assert flag(vllm_args(make("t4", maxNumSeqs=64)), "--max-cudagraph-capture-size") == "64"
+def test_t4_graph_capture_follows_the_prefill_budget_and_eager_drops_it() -> None:
+    assert flag(vllm_args(make("t4", maxNumBatchedTokens=8192)), "--max-cudagraph-capture-size") == "8192"
+    assert flag(vllm_args(make("t4", maxNumSeqs=64)), "--max-cudagraph-capture-size") == "4096"
     eager = vllm_args(make("t4", enforceEager=True))
     assert "--enforce-eager" in eager and "--max-cudagraph-capture-size" not in eager
 

@@ -10,7 +10,7 @@ from flashmodel_engine.config import parse_config
 from flashmodel_engine.preflight import run_preflight
 from flashmodel_engine.profiles import ProfileError, check_extra_args, vllm_args
 from flashmodel_engine.vllm_flags import installed_vllm_version, parser_options, resolve, vllm_parser
-from flashmodel_engine.vllm_options import OPTIONS, VLLM_VERSION
+from flashmodel_engine.vllm_options import TABLES
 
 
 def make(**engine: Any) -> Any:
@@ -29,8 +29,8 @@ BYPASSES: list[tuple[list[str], str, str]] = [
     (["--enforce"], "--enforce-eager", "set engine.enforceEager instead"),
     (["--kv-cache-memory-bytes", "8g"], "--kv-cache-memory-bytes", "engine.gpuMemoryUtilization"),
     (["--kv-cache-mem=8g"], "--kv-cache-memory-bytes", "engine.gpuMemoryUtilization"),
-    (["--max-cudagraph", "512"], "--max-cudagraph-capture-size", "engine.maxNumSeqs"),
-    (["--cudagraph-capture-sizes", "1", "2", "512"], "--cudagraph-capture-sizes", "engine.maxNumSeqs"),
+    (["--max-cudagraph", "512"], "--max-cudagraph-capture-size", "engine.maxNumBatchedTokens"),
+    (["--cudagraph-capture-sizes", "1", "2", "512"], "--cudagraph-capture-sizes", "engine.maxNumBatchedTokens"),
     (["--compilation-config.cudagraph_capture_sizes", "[512]"], "--compilation-config", "engine.enforceEager"),
     (["-cc", '{"mode": 0}'], "--compilation-config", "engine.enforceEager"),
     (["-O3"], "--enforce-eager", "engine.enforceEager"),
@@ -42,7 +42,7 @@ BYPASSES: list[tuple[list[str], str, str]] = [
     (["--num-gpu-blocks-override", "100000"], "--num-gpu-blocks-override", "engine.gpuMemoryUtilization"),
     (["--swap-space", "16"], "--swap-space", "CPU swap"),
     (["--cpu-offload-gb=8"], "--cpu-offload-gb", "offloaded weights"),
-    (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture", "engine.maxNumSeqs"),
+    (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture", "engine.maxNumBatchedTokens"),
     (["-tp", "2"], "--tensor-parallel-size", "one GPU"),
     (["--tensor-parallel", "2"], "--tensor-parallel-size", "one GPU"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype", "sm_89"),
@@ -82,9 +82,45 @@ def test_flags_that_only_look_like_guarded_ones_pass() -> None:
     args = ["--enable-prefix-caching", "--model-impl", "vllm", "--seed", "-1", "--max-log-len", "100",
             "--enable-chunked-prefill", "--generation-config=vllm", "--middleware", "a.b", "--no-enable-log-requests"]
     assert check_extra_args(args) == []
-    # A flag this table does not know may be newer than it: only the launcher's own vLLM refuses it.
-    assert check_extra_args(["--some-new-flag", "1"]) == []
-    assert "vLLM has no flag --some-new-flag" in check_extra_args(["--some-new-flag", "1"], OPTIONS, strict=True)[0]
+    for table in TABLES.values():
+        assert check_extra_args(args, table, strict=True) == []
+
+
+def test_a_flag_no_supported_vllm_has_is_refused_before_a_pod_starts() -> None:
+    problems = check_extra_args(["--seed", "1", "--some-new-flag", "1"])
+    assert problems == [
+        "engine.extraArgs[2] '--some-new-flag': vLLM has no flag --some-new-flag in any supported version with a "
+        "stored table (0.26.0, 0.32.0); check its spelling (vLLM would refuse to start)"
+    ]
+    # In the pod, the installed vLLM's own table judges: strictly when it is the real parser's.
+    assert check_extra_args(["--some-new-flag", "1"], TABLES["0.32.0"]) == []
+    assert "vLLM has no flag --some-new-flag" in check_extra_args(["--some-new-flag", "1"], TABLES["0.32.0"],
+                                                                  strict=True)[0]
+
+
+@pytest.mark.parametrize(("flag", "having", "lacking"), [
+    ("--calculate-kv-scales", "0.26.0", "0.32.0"),
+    ("--max-num-partial-prefills=2", "0.26.0", "0.32.0"),
+    ("--sse-keep-alive-interval=5", "0.32.0", "0.26.0"),
+])
+def test_a_flag_only_some_supported_vllms_have_is_refused_naming_them(flag: str, having: str, lacking: str) -> None:
+    # The operator cannot see the image's vLLM before a pod starts; one without the flag crash-loops.
+    problems = check_extra_args([flag])
+    assert len(problems) == 1, problems
+    assert f"only vLLM {having} has this flag, {lacking} does not" in problems[0], problems
+    assert ">=0.26.0,<0.33.0" in problems[0]
+    with pytest.raises(ProfileError, match="only vLLM"):
+        vllm_args(make(extraArgs=[flag]))
+    # A pod whose vLLM has it takes it; one whose vLLM lacks it refuses it at its preflight.
+    assert check_extra_args([flag], TABLES[having], strict=True) == []
+    assert "vLLM has no flag" in check_extra_args([flag], TABLES[lacking], strict=True)[0]
+
+
+def test_every_supported_version_with_a_stored_table_is_in_the_supported_range() -> None:
+    from flashmodel_engine.engine_version import version_refusal
+
+    assert list(TABLES) == ["0.26.0", "0.32.0"]
+    assert all(version_refusal(v) is None for v in TABLES)
 
 
 def test_enforced_flags_come_after_the_extra_args() -> None:
@@ -105,8 +141,8 @@ def test_preflight_refuses_what_the_profile_refuses() -> None:
     assert any("--max-model-len; remove it and set engine.maxModelLen instead" in f for f in report.failures), report
 
 
-# Flags vLLM 0.32 no longer has are refused by name only; the rest must resolve as vLLM parses them.
-PARSED = [b[0] for b in BYPASSES if b[1] not in ("--swap-space", "--max-seq-len-to-capture")] + [
+# Each must resolve as the installed vLLM parses it; a flag that vLLM lacks (refused by name only) it refuses.
+PARSED = [b[0] for b in BYPASSES] + [
     ["--enable-prefix-caching", "--seed", "-1", "--middleware", "a.b", "--no-enable-log-requests"]
 ]
 
@@ -119,12 +155,25 @@ class TestAgainstVLLMsParser:
     def parser(self) -> Any:
         return vllm_parser()
 
-    def test_stored_table_is_the_installed_parsers(self, parser: Any) -> None:
-        assert (installed_vllm_version() or "").split("+")[0] == VLLM_VERSION
-        assert parser_options(parser) == OPTIONS, "regenerate: python -m flashmodel_engine.vllm_flags"
+    @pytest.fixture(scope="class")
+    def table(self) -> dict[str, tuple[str, str]]:
+        version = (installed_vllm_version() or "").split("+")[0]
+        assert version in TABLES, (
+            f"no stored table for the installed vLLM {version}: python -m flashmodel_engine.vllm_flags"
+        )
+        return TABLES[version]
+
+    def test_stored_table_is_the_installed_parsers(self, parser: Any, table: dict[str, tuple[str, str]]) -> None:
+        assert parser_options(parser) == table, "regenerate: python -m flashmodel_engine.vllm_flags"
 
     @pytest.mark.parametrize("args", PARSED, ids=lambda a: " ".join(a))
-    def test_resolution_matches_what_vllm_parses(self, parser: Any, args: list[str]) -> None:
+    def test_resolution_matches_what_vllm_parses(
+        self, parser: Any, table: dict[str, tuple[str, str]], args: list[str]
+    ) -> None:
+        if any(r.kind == "unknown" for r in resolve(args, table)):
+            with pytest.raises(SystemExit):  # argparse's error exit: this vLLM would not start
+                parser.parse_args(args)
+            return
         # Every dest starts as a marker, so the ones the parser set show even when set to their default.
         # A list, so that append actions can add to it.
         class Unset(list[Any]):
@@ -134,7 +183,7 @@ class TestAgainstVLLMsParser:
         parsed = vars(parser.parse_args(args, start))
         # argparse always fills the optional positional, with None when nothing is left for it.
         touched = {k for k, v in parsed.items() if (not isinstance(v, Unset) or v) and (k, v) != ("model_tag", None)}
-        resolved = {r.dest for r in resolve(args, OPTIONS)}
+        resolved = {r.dest for r in resolve(args, table)}
         assert touched == resolved, (touched, resolved)
 
     def test_the_profile_value_wins_over_an_extra_arg_that_came_earlier(self, parser: Any) -> None:

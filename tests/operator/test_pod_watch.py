@@ -1,4 +1,4 @@
-"""PodWatch's waiting phase: a Pending pod is watched through kopf's live body, not by polling the API."""
+"""PodWatch: a Pending or warm pod is watched through kopf's live body, not by polling the API; its health polls."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from typing import Any, Literal
 
 import aiohttp
+from aiohttp import web
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.eviction import REMEDIATIONS, evict_and_record
 from flashmodel_operator.gating import PodWatch
@@ -16,6 +17,8 @@ from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.model_status import history_length, restarts_last_hour
 from flashmodel_operator.prewarm_gate import PREWARM_ATTEMPTS, prewarm
 from flashmodel_operator.remediation import Decision
+from flashmodel_operator.render import PREWARM_GATE
+from flashmodel_operator.settings import OperatorSettings, use
 from flashmodel_operator.shim_client import ShimClient
 
 
@@ -111,8 +114,10 @@ async def test_an_eviction_is_recorded_even_when_the_pods_daemon_is_cancelled() 
 
 def _remediations(count: int, minutes_ago: float = 5) -> list[dict[str, Any]]:
     at = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=minutes_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return [{"pod": f"p{i}", "reason": "GenerationHung", "message": "", "divergenceRatio": 0.0, "time": at}
-            for i in range(count)]
+    return [
+        {"pod": f"p{i}", "reason": "GenerationHung", "message": "", "divergenceRatio": 0.0, "time": at}
+        for i in range(count)
+    ]
 
 
 class BudgetCluster(Cluster):
@@ -120,9 +125,11 @@ class BudgetCluster(Cluster):
 
     def __init__(self, budget: int, history: list[dict[str, Any]], namespace: str) -> None:
         # A namespace per test: the operator's memory of a model (its last remediation) is per process.
-        self.fm: dict[str, Any] = {"metadata": {"name": "qwen", "namespace": namespace},
-                   "spec": {"model": {"hub": {"id": "m"}}, "remediation": {"maxRestartsPerHour": budget}},
-                   "status": {"remediations": history}}
+        self.fm: dict[str, Any] = {
+            "metadata": {"name": "qwen", "namespace": namespace},
+            "spec": {"model": {"hub": {"id": "m"}}, "remediation": {"maxRestartsPerHour": budget}},
+            "status": {"remediations": history},
+        }
         self.evictions: list[str] = []
         self.events: list[tuple[str, str]] = []
 
@@ -200,3 +207,131 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
         second = await prewarm(b, pod, cluster.fm, spec, shim)
     assert first is None and second is not None
     assert cluster.evictions == ["qwen-a"]
+
+
+class ShimServer:
+    """A real HTTP server with a shim's endpoints, counting the requests each path gets."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+        self.requests: dict[str, int] = {}
+        self.port = 0
+        self.runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> ShimServer:
+        async def handle(request: web.Request) -> web.Response:
+            self.requests[request.path] = self.requests.get(request.path, 0) + 1
+            if request.path == "/metrics":
+                return web.Response(text=METRICS_PAGE, content_type="text/plain")
+            ok = self.ready or request.path != "/readyz"
+            return web.json_response({"ok": ok}, status=200 if ok else 503)
+
+        app = web.Application()
+        app.router.add_route("GET", "/{path:.*}", handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+METRICS_PAGE = (
+    "# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.\n"
+    "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+    + "".join(f'vllm:e2e_request_latency_seconds_bucket{{le="{2**i}",model_name="qwen"}} {i}\n' for i in range(20))
+    + 'vllm:num_requests_running{model_name="qwen"} 0.0\n'
+    "flashmodel_engine_generation 1.0\n"
+    "flashmodel_prewarm_succeeded 1.0\n"
+    'flashmodel_remediation_recommended{reason="memory_divergence"} 0.0\n'
+)
+
+
+def _warm_pod() -> dict[str, Any]:
+    pod = _pod("Running", "127.0.0.1")
+    pod["status"]["conditions"] = [
+        {"type": PREWARM_GATE, "status": "True", "reason": "PrewarmSucceeded"},
+        {"type": "Ready", "status": "True"},
+    ]
+    return pod
+
+
+class NoReadsCluster(Cluster):
+    """The real Cluster class with its transport replaced: any read is counted."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
+        return None
+
+    def get_flashmodel(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
+        return None
+
+
+WATCHED_MODEL = {
+    "metadata": {"name": "qwen", "namespace": "ns", "uid": "u1", "generation": 1},
+    "spec": {"model": {"hub": {"id": "m"}}, "remediation": {"hungReadinessSeconds": 10}},
+    "status": {},
+}
+
+
+async def test_a_warm_pod_is_polled_without_api_reads_and_two_requests_a_poll() -> None:
+    # A fleet of 1,000 warm pods polled every 5 s would be 400 API reads a second if each poll
+    # read its pod and its model; the watch streams already carry both.
+    cluster = NoReadsCluster()
+    use(OperatorSettings(monitor_seconds=5.0))
+    try:
+        async with ShimServer() as shim, aiohttp.ClientSession() as session:
+            watch = PodWatch(
+                cluster,
+                session,
+                "ns",
+                "qwen-abc",
+                "qwen-warm",
+                live_body=_warm_pod(),
+                flashmodels=lambda ns, n: WATCHED_MODEL,
+            )
+            watch.state.control_token = "token"
+            watch.shim_port = shim.port
+            delays = [await watch.step() for _ in range(5)]
+    finally:
+        use(OperatorSettings())
+    assert cluster.reads == 0
+    assert shim.requests == {"/metrics": 5, "/readyz": 5}
+    assert all(d is not None and 4.5 <= d <= 5.5 for d in delays), delays
+    assert watch.state.health["qwen-abc"].livez_ok
+
+
+async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_threshold() -> None:
+    # Polls come every 5 s; a pod whose generation fails is looked at again the moment its failure
+    # reaches hungReadinessSeconds, so its eviction does not wait up to one more period.
+    use(OperatorSettings(monitor_seconds=5.0))
+    try:
+        async with ShimServer(ready=False) as shim, aiohttp.ClientSession() as session:
+            watch = PodWatch(
+                NoReadsCluster(),
+                session,
+                "ns",
+                "qwen-abc",
+                "qwen-hung",
+                live_body=_warm_pod(),
+                flashmodels=lambda ns, n: WATCHED_MODEL,
+            )
+            watch.state.control_token = "token"
+            watch.shim_port = shim.port
+            first = await watch.step()
+            assert first is not None and 4.5 <= first <= 5.5
+            assert watch.readyz_failing_since is not None
+            watch.readyz_failing_since -= 8.0  # 8 s of the 10 s threshold have passed
+            second = await watch.step()
+    finally:
+        use(OperatorSettings())
+    assert second is not None and 1.5 <= second <= 2.3, second
+    assert shim.requests["/livez"] == 2  # liveness is asked only while readiness fails

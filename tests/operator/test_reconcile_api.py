@@ -107,6 +107,29 @@ def test_first_pass_creates_children_second_pass_writes_nothing(
     assert all(c["observedGeneration"] == 1 for c in status["conditions"])
 
 
+def test_a_new_models_first_pass_writes_its_children_without_reading_them_first(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    # Every read before the Deployment's apply delays the model's first pod; a new model has no
+    # children to compare with, so its first pass only writes them (and reads the Deployment's status).
+    reads: list[str] = []
+
+    class Counting(Cluster):
+        def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+            reads.append(kind)
+            return super().get(api_version, kind, namespace, name)
+
+    counting = Counting(cluster.api)
+    first = reconcile(counting, _create(control_plane, k8s_namespace, "fresh", SPEC))
+    assert set(first.applied.values()) == {"created"}
+    assert reads == ["Deployment"]
+    # The next pass compares: nothing to write.
+    reads.clear()
+    second = reconcile(counting, _get(control_plane, k8s_namespace, "fresh"))
+    assert set(second.applied.values()) == {"unchanged"}
+    assert {"ConfigMap", "Service", "PodDisruptionBudget", "Secret"} <= set(reads)
+
+
 def test_spec_change_updates_only_what_changed(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:

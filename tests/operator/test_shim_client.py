@@ -1,8 +1,12 @@
-"""Parsing the shim's real metric text into what the operator decides on."""
+"""The operator's side of the shim: parsing its metric text, and the kept-alive connection of the polls."""
 
 from __future__ import annotations
 
-from flashmodel_operator.shim_client import parse_metrics
+import asyncio
+
+import pytest
+from aiohttp import web
+from flashmodel_operator.shim_client import ShimClient, ShimConnection, parse_metrics
 
 TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -48,3 +52,98 @@ def test_the_operator_reads_the_series_the_engine_writes() -> None:
     engine.remediation.labels("memory_divergence").set(1)
     m = parse_metrics(engine.render(None).decode())
     assert (m.prewarm_succeeded, m.generation, m.divergence_ratio, m.divergence_recommended) == (True, 3.0, 0.4, True)
+
+
+def test_the_engine_exporters_own_page_parses_with_vllms_histograms_before_it() -> None:
+    # The page the shim serves: vLLM's series first, then the engine's exporter's (with a
+    # timestamp on one line, which the text format allows).
+    from flashmodel_engine.config import RemediationSettings
+    from flashmodel_engine.metrics import EngineMetrics
+
+    vllm = "".join(f'vllm:e2e_request_latency_seconds_bucket{{le="{2**i}",model_name="tiny"}} {i}\n' for i in range(30))
+    vllm += 'vllm:num_requests_running{engine="0",model_name="tiny"} 2.0 1733400000000\n'
+    exporter = EngineMetrics(RemediationSettings())
+    exporter.generation.set(3)
+    page = exporter.render(vllm).decode()
+    m = parse_metrics(page)
+    assert (m.generation, m.requests_running, m.divergence_recommended) == (3.0, 2.0, False)
+
+
+class Shim:
+    """A real aiohttp server (the shim's own server stack) whose answers a test shapes per path."""
+
+    def __init__(self, keepalive_timeout: float = 75.0) -> None:
+        self.keepalive_timeout = keepalive_timeout
+        self.peers: list[int] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> Shim:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            self.peers.append(peer[1] if peer else 0)
+            if request.path == "/chunked":
+                resp = web.StreamResponse()
+                resp.enable_chunked_encoding()
+                await resp.prepare(request)
+                for part in (b"flashmodel_engine_generation ", b"4.0\n", b"x" * 70000):
+                    await resp.write(part)
+                await resp.write_eof()
+                return resp
+            if request.path == "/slow":
+                await asyncio.sleep(2)
+                return web.Response(text="slow")
+            if request.path == "/close":
+                return web.Response(text="closing", headers={"Connection": "close"})
+            return web.Response(text=request.path, status=503 if request.path == "/readyz" else 200)
+
+        app = web.Application()
+        app.router.add_route("GET", "/{path:.*}", handle)
+        self.runner = web.AppRunner(app, keepalive_timeout=self.keepalive_timeout)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+async def test_polls_share_one_kept_alive_connection_and_read_status_and_body() -> None:
+    async with Shim() as shim:
+        conn = ShimConnection("127.0.0.1", shim.port)
+        assert await conn.get("/metrics", 5) == (200, b"/metrics")
+        assert await conn.get("/readyz", 5) == (503, b"/readyz")
+        status, body = await conn.get("/chunked", 5)
+        assert status == 200 and body.startswith(b"flashmodel_engine_generation 4.0\n") and len(body) == 70033
+        conn.close()
+    assert len(set(shim.peers)) == 1, "each poll opened a new connection"
+
+
+async def test_a_connection_the_server_closed_is_replaced_without_a_failed_poll() -> None:
+    async with Shim(keepalive_timeout=0.2) as shim:
+        conn = ShimConnection("127.0.0.1", shim.port)
+        assert (await conn.get("/close", 5))[0] == 200
+        assert (await conn.get("/metrics", 5))[0] == 200
+        await asyncio.sleep(0.6)  # the server's keep-alive ends: the next poll meets a closed stream
+        assert await conn.get("/livez", 5) == (200, b"/livez")
+        conn.close()
+    assert len(set(shim.peers)) == 3
+
+
+async def test_after_a_timed_out_poll_the_next_reads_its_own_answer() -> None:
+    async with Shim() as shim:
+        conn = ShimConnection("127.0.0.1", shim.port)
+        with pytest.raises(TimeoutError):
+            await conn.get("/slow", 0.3)
+        assert await conn.get("/metrics", 5) == (200, b"/metrics")
+        conn.close()
+
+
+async def test_an_unreachable_shim_is_a_failed_poll_not_an_error() -> None:
+    async with Shim() as shim:
+        port = shim.port
+    client = ShimClient(None, "127.0.0.1", port=port, connection=ShimConnection("127.0.0.1", port))  # type: ignore[arg-type]
+    assert not await client.ready(1)
+    assert await client.metrics() is None
