@@ -1,16 +1,20 @@
 """A stand-in for every engine pod's health shim at once, for the operator's fleet benchmark.
 
-    python bench/operator_standin_shim.py --control-port 18099
+    python bench/operator_standin_shim.py --control-port 18099 [--no-health-poll]
 
 One process answers the shim's endpoints (SHIM_PORT) on every address of 127.0.0.0/8, which is where
 the test control plane's kwok puts pod IPs, so the operator polls "pod 127.16.3.7" over real HTTP and
 this process knows which pod it is from the address the connection arrived on. Its /metrics page is
 the size of a real one: the flashmodel_* series the engine exports after vLLM's own (histograms per
-model), so the operator pays the parse cost it pays in production.
+model), so the operator pays the parse cost it pays in production when it reads that page. It also
+answers /health/poll (the operator's one-request poll) from the same state; with --no-health-poll it
+answers that path 404, as an engine from before it does, and the operator polls /metrics and /readyz.
 
 A control port (loopback only) injects faults per pod IP and reports counts:
-    POST /fault?ip=127.16.0.9&kind=hung        /readyz answers 503 while /livez answers 200
+    POST /fault?ip=127.16.0.9&kind=hung        /readyz answers 503 (/health/poll "ready": false) while /livez
+                                               answers 200
     POST /fault?ip=127.16.0.9&kind=diverge     flashmodel_remediation_recommended{reason=memory_divergence} 1
+                                               (/health/poll "divergenceRecommended": true)
     POST /fault?ip=127.16.0.9&kind=none        healthy again
     GET  /counts                               requests served, by path
 """
@@ -33,6 +37,7 @@ sys.path[:0] = [str(ROOT / "engine")]
 
 from flashmodel_engine.contract import (  # noqa: E402
     ENGINE_GENERATION,
+    HEALTH_POLL_PATH,
     LIVENESS_PATH,
     MEMORY_DIVERGENCE_RATIO,
     METRICS_PATH,
@@ -114,7 +119,7 @@ def pod_ip(request: web.Request) -> str:
     return str(sock[0]) if sock else "?"
 
 
-def shim_app(fleet: Fleet) -> web.Application:
+def shim_app(fleet: Fleet, health_poll: bool = True) -> web.Application:
     def ok(body: dict[str, object], status: int = 200) -> web.Response:
         return web.json_response(body, status=status)
 
@@ -131,6 +136,24 @@ def shim_app(fleet: Fleet) -> web.Application:
         if fleet.faults.get(pod_ip(request)) == "hung":
             return ok({"ok": False, "reason": "one-token generation timed out"}, 503)
         return ok({"ok": True})
+
+    async def poll(request: web.Request) -> web.Response:
+        fleet.counts["health/poll"] += 1
+        ip = pod_ip(request)
+        hung, diverging = fleet.faults.get(ip) == "hung", fleet.faults.get(ip) == "diverge"
+        # The engine's answer (flashmodel_engine.shim.health_poll_answer), from the state /metrics shows.
+        return ok(
+            {
+                "ready": not hung,
+                "reason": "one-token generation timed out" if hung else "one-token generation answered in 9 ms",
+                "generation": fleet.generation.setdefault(ip, 1),
+                "prewarmSucceeded": True,
+                "divergenceRatio": 0.2 if diverging else 0.0,
+                "divergenceRecommended": diverging,
+                "requestsRunning": 0.0,
+                "requestsWaiting": 0.0,
+            }
+        )
 
     async def prewarm(request: web.Request) -> web.Response:
         fleet.counts["prewarm"] += 1
@@ -152,6 +175,8 @@ def shim_app(fleet: Fleet) -> web.Application:
             web.get(METRICS_PATH, metrics),
         ]
     )
+    if health_poll:
+        app.router.add_get(HEALTH_POLL_PATH, poll)
     return app
 
 
@@ -172,10 +197,11 @@ def control_app(fleet: Fleet) -> web.Application:
     return app
 
 
-async def serve(control_port: int) -> None:
+async def serve(control_port: int, health_poll: bool) -> None:
     fleet = Fleet()
     runners = []
-    for app, host, port in ((shim_app(fleet), "0.0.0.0", SHIM_PORT), (control_app(fleet), "127.0.0.1", control_port)):
+    sites = ((shim_app(fleet, health_poll), "0.0.0.0", SHIM_PORT), (control_app(fleet), "127.0.0.1", control_port))
+    for app, host, port in sites:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port, backlog=1024).start()
@@ -186,6 +212,7 @@ async def serve(control_port: int) -> None:
                 "shim_port": SHIM_PORT,
                 "control_port": control_port,
                 "metrics_bytes": len(fleet.vllm + fleet.ours("127.0.0.1")),
+                "health_poll": health_poll,
             }
         ),
         flush=True,
@@ -196,7 +223,11 @@ async def serve(control_port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--control-port", type=int, required=True)
-    asyncio.run(serve(parser.parse_args().control_port))
+    parser.add_argument(
+        "--no-health-poll", action="store_true", help="answer /health/poll 404, as an engine from before it"
+    )
+    args = parser.parse_args()
+    asyncio.run(serve(args.control_port, health_poll=not args.no_health_poll))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The health shim: /livez /readyz /startupz /prewarm /metrics beside vLLM, owning the engine process."""
+"""The health shim: /livez /readyz /startupz /prewarm /metrics /health/poll beside vLLM, owning the engine process."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ import aiohttp
 from aiohttp import web
 
 from flashmodel_engine.config import EngineConfig
-from flashmodel_engine.contract import LIVENESS_PATH, METRICS_PATH, PREWARM_PATH, READINESS_PATH, STARTUP_PATH
+from flashmodel_engine.contract import (
+    HEALTH_POLL_PATH,
+    LIVENESS_PATH,
+    METRICS_PATH,
+    PREWARM_PATH,
+    READINESS_PATH,
+    STARTUP_PATH,
+)
 from flashmodel_engine.engine_process import EngineProcess
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
@@ -37,6 +44,29 @@ def connect_host(bind_host: str) -> str:
 
 def _reply(status: int, ok: bool, reason: str, **extra: Any) -> web.Response:
     return web.json_response({"ok": ok, "reason": reason, **extra}, status=status)
+
+
+def health_poll_answer(ready: bool, reason: str, generation: int, prewarm_succeeded: bool,
+                       metrics: EngineMetrics, sample: EngineSample | None) -> dict[str, Any]:
+    """`GET /health/poll`'s JSON: /readyz's result and the values the operator reads from /metrics.
+
+    The same sources as those two endpoints: `readiness()`, the divergence tracker behind
+    flashmodel_memory_divergence_ratio and flashmodel_remediation_recommended{reason="memory_divergence"},
+    and vLLM's running and waiting requests from the shim's last sample (every
+    FLASHMODEL_SAMPLE_INTERVAL_SECONDS; /metrics reads them live, the drain still reads /metrics).
+    The generation is the engine process's own count, which the flashmodel_engine_generation gauge
+    copies at each sample.
+    """
+    return {
+        "ready": ready,
+        "reason": reason,
+        "generation": generation,
+        "prewarmSucceeded": prewarm_succeeded,
+        "divergenceRatio": metrics.divergence.ratio,
+        "divergenceRecommended": metrics.divergence.recommended,
+        "requestsRunning": sample.running if sample is not None else 0.0,
+        "requestsWaiting": sample.waiting if sample is not None else 0.0,
+    }
 
 
 class BadRequest(ValueError):
@@ -104,6 +134,8 @@ class EngineShim:
         self._own_tokens = 0.0
         self._real_tokens_seen: float | None = None
         self._failing_since: float | None = None
+        self._last_sample: EngineSample | None = None
+        """vLLM's metrics at the last sample (None while it is down): /health/poll's request counts."""
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -119,6 +151,7 @@ class EngineShim:
             web.post(PREWARM_PATH, self.handle_prewarm_post),
             web.get(PREWARM_PATH, self.handle_prewarm_get),
             web.get(METRICS_PATH, self.handle_metrics),
+            web.get(HEALTH_POLL_PATH, self.handle_health_poll),
         ])
         return app
 
@@ -297,6 +330,7 @@ class EngineShim:
         pid = self.engine.pid
         if pid is None or not self.engine.alive():
             m.engine_up.set(0)
+            self._last_sample = None
             return
         sample: EngineSample | None = None
         if self.started:
@@ -307,6 +341,7 @@ class EngineShim:
                 m.observe_engine(time.monotonic(), sample, self._own_requests, own_in_flight=prewarming)
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 m.engine_up.set(0)
+        self._last_sample = sample
         memory = await asyncio.to_thread(self.memory.read, pid)
         m.observe_memory(time.monotonic(), memory, sample)
 
@@ -373,3 +408,11 @@ class EngineShim:
                 text = body if status == 200 else None
         return web.Response(body=self.metrics.render(text), content_type="text/plain",
                             headers={"X-Content-Type-Options": "nosniff"})
+
+    async def handle_health_poll(self, request: web.Request) -> web.Response:
+        # 200 whenever the shim answers: readiness is in the body, and a status other than 200 tells
+        # the operator that the poll itself failed.
+        ok, reason = await self.readiness()
+        prewarmed = self.prewarmed_generation == self.engine.generation
+        return web.json_response(health_poll_answer(ok, reason, self.engine.generation, prewarmed, self.metrics,
+                                                    self._last_sample))

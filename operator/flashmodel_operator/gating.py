@@ -207,10 +207,10 @@ class PodWatch:
             self.restarts_seen = None
             await self.write_pods_status()
             return 0.5
-        metrics = await shim.metrics()
-        ready = await shim.ready(spec.health.readiness_deadline_seconds + 2)
-        # Liveness only matters once generation fails (hung = alive but not generating): a steady
-        # pod costs two requests a poll, not three.
+        # One request for the readiness result and the metrics values (two on an engine from before
+        # the health poll). Liveness only matters once generation fails (hung = alive but not
+        # generating), so a steady pod is not asked for it.
+        metrics, ready = await shim.poll(spec.health.readiness_deadline_seconds + 2)
         live = True if ready else await shim.live()
         if metrics is not None:
             if self.generation_seen is None:

@@ -1,4 +1,4 @@
-"""The operator's client of an engine pod's health shim: startup, readiness, prewarm, metrics."""
+"""The operator's client of an engine pod's health shim: startup, readiness, prewarm, metrics, the health poll."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 from flashmodel_engine.contract import (
     ENGINE_GENERATION,
+    HEALTH_POLL_PATH,
     LIVENESS_PATH,
     MEMORY_DIVERGENCE_RATIO,
     MEMORY_DIVERGENCE_REASON,
@@ -102,6 +103,39 @@ def parse_metrics(text: str) -> ShimReading:
     )
 
 
+def parse_health_poll(body: bytes) -> tuple[ShimReading, bool]:
+    """The reading and the readiness result in the shim's HEALTH_POLL_PATH answer; ValueError when unreadable.
+
+    Numbers may come as JSON integers or floats; a flag must be a JSON boolean (a string "false"
+    read as true would hide a hung or diverging pod).
+    """
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        raise ValueError(f"health poll answer is not a JSON object: {body[:200]!r}")
+
+    def number(key: str) -> float:
+        value = doc.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"health poll answer's {key!r} is not a number: {value!r}")
+        return float(value)
+
+    def flag(key: str) -> bool:
+        value = doc.get(key)
+        if not isinstance(value, bool):
+            raise ValueError(f"health poll answer's {key!r} is not true or false: {value!r}")
+        return value
+
+    reading = ShimReading(
+        generation=number("generation"),
+        divergence_ratio=number("divergenceRatio"),
+        divergence_recommended=flag("divergenceRecommended"),
+        requests_running=number("requestsRunning"),
+        requests_waiting=number("requestsWaiting"),
+        prewarm_succeeded=flag("prewarmSucceeded"),
+    )
+    return reading, flag("ready")
+
+
 class ShimHttpError(Exception):
     """The shim's answer was not HTTP/1.1 this client reads (the poll counts as failed)."""
 
@@ -127,6 +161,9 @@ class ShimConnection:
         self._request_head = f"Host: {host}:{port}\r\nAccept: */*\r\nUser-Agent: flashmodel-operator\r\n\r\n"
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self.health_poll = True
+        """Whether to ask HEALTH_POLL_PATH; False once this shim answered it 404 (an engine from before
+        it), until the stream closes: the process behind the next one may be a newer engine."""
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         """(status, body) of GET path; raises OSError, TimeoutError or ShimHttpError when there is none."""
@@ -197,6 +234,7 @@ class ShimConnection:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
+        self.health_poll = True
 
 
 class ShimClient:
@@ -217,6 +255,8 @@ class ShimClient:
         """The model's control token: the shim runs a prewarm only for the operator."""
         self.connection = connection
         """The pod's kept-alive connection for its polls; without one they go through the session."""
+        self._health_poll = True
+        """Where there is no connection to remember it: whether to ask HEALTH_POLL_PATH."""
 
     async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
         """(status, body), or (0, b"") when the shim could not be reached or answered garbage."""
@@ -261,6 +301,28 @@ class ShimClient:
             result.setdefault("error", result.get("reason") or f"prewarm answered HTTP {resp.status}")
         result["status"] = resp.status
         return result
+
+    async def poll(self, timeout: float) -> tuple[ShimReading | None, bool]:
+        """One health poll: (the reading, or None when there is none; whether the pod is ready).
+
+        One small request to HEALTH_POLL_PATH. An engine from before it answers 404: then /metrics
+        and /readyz, as that engine's operator asked them. A shim that cannot be reached or answers
+        anything else is a failed poll (no reading, not ready), as a failed /metrics and /readyz were.
+        """
+        asks = self.connection.health_poll if self.connection is not None else self._health_poll
+        if asks:
+            status, body = await self._get(HEALTH_POLL_PATH, timeout)
+            if status == 200:
+                try:
+                    return parse_health_poll(body)
+                except ValueError:
+                    return None, False
+            if status != 404:
+                return None, False
+            if self.connection is not None:
+                self.connection.health_poll = False
+            self._health_poll = False
+        return await self.metrics(), await self.ready(timeout)
 
     async def metrics(self) -> ShimReading | None:
         status, body = await self._get(METRICS_PATH, 5)

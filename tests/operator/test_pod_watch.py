@@ -9,6 +9,7 @@ import time
 from typing import Any, Literal
 
 import aiohttp
+import pytest
 from aiohttp import web
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.eviction import REMEDIATIONS, evict_and_record
@@ -210,10 +211,14 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
 
 
 class ShimServer:
-    """A real HTTP server with a shim's endpoints, counting the requests each path gets."""
+    """A real HTTP server with a shim's endpoints, counting the requests each path gets.
 
-    def __init__(self, ready: bool = True) -> None:
+    `health_poll=False` stands in for an engine from before /health/poll: it answers that path 404.
+    """
+
+    def __init__(self, ready: bool = True, health_poll: bool = True) -> None:
         self.ready = ready
+        self.health_poll = health_poll
         self.requests: dict[str, int] = {}
         self.port = 0
         self.runner: web.AppRunner | None = None
@@ -223,6 +228,10 @@ class ShimServer:
             self.requests[request.path] = self.requests.get(request.path, 0) + 1
             if request.path == "/metrics":
                 return web.Response(text=METRICS_PAGE, content_type="text/plain")
+            if request.path == "/health/poll":
+                if not self.health_poll:
+                    return web.json_response({"ok": False}, status=404)
+                return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready))
             ok = self.ready or request.path != "/readyz"
             return web.json_response({"ok": ok}, status=200 if ok else 503)
 
@@ -249,6 +258,19 @@ METRICS_PAGE = (
     "flashmodel_prewarm_succeeded 1.0\n"
     'flashmodel_remediation_recommended{reason="memory_divergence"} 0.0\n'
 )
+
+
+HEALTH_POLL_ANSWER = {
+    "ready": True,
+    "reason": "one-token generation answered in 12 ms",
+    "generation": 1,
+    "prewarmSucceeded": True,
+    "divergenceRatio": 0.0,
+    "divergenceRecommended": False,
+    "requestsRunning": 0.0,
+    "requestsWaiting": 0.0,
+}
+"""What the engine's shim answers on /health/poll for a steady pod (the same values as METRICS_PAGE)."""
 
 
 def _warm_pod() -> dict[str, Any]:
@@ -282,13 +304,24 @@ WATCHED_MODEL = {
 }
 
 
-async def test_a_warm_pod_is_polled_without_api_reads_and_two_requests_a_poll() -> None:
+@pytest.mark.parametrize(
+    ("health_poll", "requests"),
+    [
+        (True, {"/health/poll": 5}),
+        # An engine from before the health poll: asked once, then /metrics and /readyz each poll.
+        (False, {"/health/poll": 1, "/metrics": 5, "/readyz": 5}),
+    ],
+    ids=["one-request", "older-engine-two-requests"],
+)
+async def test_a_warm_pod_is_polled_without_api_reads_and_one_request_a_poll(
+    health_poll: bool, requests: dict[str, int]
+) -> None:
     # A fleet of 1,000 warm pods polled every 5 s would be 400 API reads a second if each poll
     # read its pod and its model; the watch streams already carry both.
     cluster = NoReadsCluster()
     use(OperatorSettings(monitor_seconds=5.0))
     try:
-        async with ShimServer() as shim, aiohttp.ClientSession() as session:
+        async with ShimServer(health_poll=health_poll) as shim, aiohttp.ClientSession() as session:
             watch = PodWatch(
                 cluster,
                 session,
@@ -304,17 +337,20 @@ async def test_a_warm_pod_is_polled_without_api_reads_and_two_requests_a_poll() 
     finally:
         use(OperatorSettings())
     assert cluster.reads == 0
-    assert shim.requests == {"/metrics": 5, "/readyz": 5}
+    assert shim.requests == requests
     assert all(d is not None and 4.5 <= d <= 5.5 for d in delays), delays
-    assert watch.state.health["qwen-abc"].livez_ok
+    health = watch.state.health["qwen-abc"]
+    assert health.livez_ok and health.readyz_failing_since is None and not health.divergence_recommended
+    assert watch.generation_seen == 1.0
 
 
-async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_threshold() -> None:
+@pytest.mark.parametrize("health_poll", [True, False], ids=["health-poll", "older-engine"])
+async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_threshold(health_poll: bool) -> None:
     # Polls come every 5 s; a pod whose generation fails is looked at again the moment its failure
     # reaches hungReadinessSeconds, so its eviction does not wait up to one more period.
     use(OperatorSettings(monitor_seconds=5.0))
     try:
-        async with ShimServer(ready=False) as shim, aiohttp.ClientSession() as session:
+        async with ShimServer(ready=False, health_poll=health_poll) as shim, aiohttp.ClientSession() as session:
             watch = PodWatch(
                 NoReadsCluster(),
                 session,

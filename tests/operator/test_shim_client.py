@@ -1,12 +1,14 @@
-"""The operator's side of the shim: parsing its metric text, and the kept-alive connection of the polls."""
+"""The operator's side of the shim: its metric text, its health poll, the kept-alive connection of the polls."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import aiohttp
 import pytest
 from aiohttp import web
-from flashmodel_operator.shim_client import ShimClient, ShimConnection, parse_metrics
+from flashmodel_operator.shim_client import ShimClient, ShimConnection, ShimReading, parse_health_poll, parse_metrics
 
 TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -69,11 +71,81 @@ def test_the_engine_exporters_own_page_parses_with_vllms_histograms_before_it() 
     assert (m.generation, m.requests_running, m.divergence_recommended) == (3.0, 2.0, False)
 
 
+POLL = {
+    "ready": True,
+    "reason": "one-token generation answered in 9 ms",
+    "generation": 2,
+    "prewarmSucceeded": True,
+    "divergenceRatio": 0.23,
+    "divergenceRecommended": True,
+    "requestsRunning": 3,
+    "requestsWaiting": 1.0,
+}
+
+
+def test_parse_health_poll_reads_readiness_and_the_values_metrics_gives() -> None:
+    reading, ready = parse_health_poll(json.dumps(POLL).encode())
+    assert ready
+    # The same reading the /metrics page above gives: the operator decides alike on either path.
+    assert reading == parse_metrics(TEXT)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"ready",  # not JSON: a server that is not the shim
+        b"[true]",
+        json.dumps({k: v for k, v in POLL.items() if k != "ready"}).encode(),
+        json.dumps(dict(POLL, divergenceRecommended="false")).encode(),  # truthy, but not a flag
+        json.dumps(dict(POLL, ready=1)).encode(),
+        json.dumps(dict(POLL, generation=True)).encode(),
+        json.dumps(dict(POLL, divergenceRatio=None)).encode(),
+    ],
+    ids=["not-json", "not-an-object", "no-ready", "string-flag", "number-flag", "bool-number", "null-number"],
+)
+def test_an_unreadable_health_poll_is_refused(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_health_poll(body)
+
+
+def test_the_operator_reads_the_health_poll_the_engine_writes() -> None:
+    # The engine's answer, built by the function its handler uses, read by the operator's parser.
+    from flashmodel_engine.config import RemediationSettings
+    from flashmodel_engine.metrics import EngineMetrics, EngineSample
+    from flashmodel_engine.shim import health_poll_answer
+
+    engine = EngineMetrics(RemediationSettings())
+    engine.divergence.ratio, engine.divergence.recommended = 0.4, True
+    sample = EngineSample(
+        kv_cache_usage=0.1, running=2.0, waiting=5.0, request_success_total=9.0, generation_tokens_total=90.0
+    )
+    answer = health_poll_answer(False, "one-token generation timed out", 3, True, engine, sample)
+    reading, ready = parse_health_poll(json.dumps(answer).encode())
+    assert not ready
+    assert reading == ShimReading(
+        generation=3.0,
+        divergence_ratio=0.4,
+        divergence_recommended=True,
+        requests_running=2.0,
+        requests_waiting=5.0,
+        prewarm_succeeded=True,
+    )
+    # Before vLLM's first sample: no request counts, not an error.
+    reading, _ = parse_health_poll(json.dumps(health_poll_answer(True, "ok", 1, False, engine, None)).encode())
+    assert (reading.requests_running, reading.requests_waiting, reading.prewarm_succeeded) == (0.0, 0.0, False)
+
+
 class Shim:
     """A real aiohttp server (the shim's own server stack) whose answers a test shapes per path."""
 
-    def __init__(self, keepalive_timeout: float = 75.0) -> None:
+    def __init__(
+        self, keepalive_timeout: float = 75.0, health_poll: str | None = None, health_poll_status: int = 200
+    ) -> None:
         self.keepalive_timeout = keepalive_timeout
+        self.health_poll = health_poll
+        """The /health/poll answer's body; None answers 404, as an engine from before that path does."""
+        self.health_poll_status = health_poll_status
+        self.paths: list[str] = []
         self.peers: list[int] = []
         self.runner: web.AppRunner | None = None
         self.port = 0
@@ -82,6 +154,7 @@ class Shim:
         async def handle(request: web.Request) -> web.StreamResponse:
             peer = request.transport.get_extra_info("peername") if request.transport else None
             self.peers.append(peer[1] if peer else 0)
+            self.paths.append(request.path)
             if request.path == "/chunked":
                 resp = web.StreamResponse()
                 resp.enable_chunked_encoding()
@@ -95,6 +168,12 @@ class Shim:
                 return web.Response(text="slow")
             if request.path == "/close":
                 return web.Response(text="closing", headers={"Connection": "close"})
+            if request.path == "/health/poll":
+                if self.health_poll is None:
+                    return web.Response(text="404: Not Found", status=404)  # aiohttp's own answer
+                return web.Response(text=self.health_poll, status=self.health_poll_status)
+            if request.path == "/metrics":
+                return web.Response(text=TEXT)
             return web.Response(text=request.path, status=503 if request.path == "/readyz" else 200)
 
         app = web.Application()
@@ -113,7 +192,7 @@ class Shim:
 async def test_polls_share_one_kept_alive_connection_and_read_status_and_body() -> None:
     async with Shim() as shim:
         conn = ShimConnection("127.0.0.1", shim.port)
-        assert await conn.get("/metrics", 5) == (200, b"/metrics")
+        assert await conn.get("/livez", 5) == (200, b"/livez")
         assert await conn.get("/readyz", 5) == (503, b"/readyz")
         status, body = await conn.get("/chunked", 5)
         assert status == 200 and body.startswith(b"flashmodel_engine_generation 4.0\n") and len(body) == 70033
@@ -125,7 +204,7 @@ async def test_a_connection_the_server_closed_is_replaced_without_a_failed_poll(
     async with Shim(keepalive_timeout=0.2) as shim:
         conn = ShimConnection("127.0.0.1", shim.port)
         assert (await conn.get("/close", 5))[0] == 200
-        assert (await conn.get("/metrics", 5))[0] == 200
+        assert (await conn.get("/livez", 5))[0] == 200
         await asyncio.sleep(0.6)  # the server's keep-alive ends: the next poll meets a closed stream
         assert await conn.get("/livez", 5) == (200, b"/livez")
         conn.close()
@@ -137,7 +216,7 @@ async def test_after_a_timed_out_poll_the_next_reads_its_own_answer() -> None:
         conn = ShimConnection("127.0.0.1", shim.port)
         with pytest.raises(TimeoutError):
             await conn.get("/slow", 0.3)
-        assert await conn.get("/metrics", 5) == (200, b"/metrics")
+        assert await conn.get("/livez", 5) == (200, b"/livez")
         conn.close()
 
 
@@ -147,3 +226,58 @@ async def test_an_unreachable_shim_is_a_failed_poll_not_an_error() -> None:
     client = ShimClient(None, "127.0.0.1", port=port, connection=ShimConnection("127.0.0.1", port))  # type: ignore[arg-type]
     assert not await client.ready(1)
     assert await client.metrics() is None
+    assert await client.poll(1) == (None, False)
+
+
+async def test_a_poll_is_one_request_to_the_health_poll() -> None:
+    async with Shim(health_poll=json.dumps(dict(POLL, ready=False))) as shim:
+        client = ShimClient(None, "127.0.0.1", port=shim.port, connection=ShimConnection("127.0.0.1", shim.port))  # type: ignore[arg-type]
+        reading, ready = await client.poll(5)
+        assert not ready and reading is not None and reading.divergence_recommended and reading.generation == 2.0
+        await client.poll(5)
+        assert client.connection is not None
+        client.connection.close()
+    assert shim.paths == ["/health/poll", "/health/poll"]
+
+
+async def test_an_older_engine_is_polled_on_metrics_and_readyz_after_one_404() -> None:
+    async with Shim(health_poll=None) as shim:
+        connection = ShimConnection("127.0.0.1", shim.port)
+        for _ in range(3):
+            # A new ShimClient per poll, one connection per pod, as the pod watch makes them.
+            client = ShimClient(None, "127.0.0.1", port=shim.port, connection=connection)  # type: ignore[arg-type]
+            reading, ready = await client.poll(5)
+            # This stand-in answers /readyz 503: not ready, and the reading is /metrics'.
+            assert reading == parse_metrics(TEXT) and not ready
+        connection.close()
+        assert shim.paths == ["/health/poll"] + ["/metrics", "/readyz"] * 3
+        # The next connection may reach a restarted, newer engine: it is asked again.
+        shim.paths.clear()
+        await ShimClient(None, "127.0.0.1", port=shim.port, connection=connection).poll(5)  # type: ignore[arg-type]
+        connection.close()
+    assert shim.paths == ["/health/poll", "/metrics", "/readyz"]
+
+
+async def test_an_older_engine_without_a_kept_alive_connection_falls_back_too() -> None:
+    async with Shim(health_poll=None) as shim, aiohttp.ClientSession() as session:
+        client = ShimClient(session, "127.0.0.1", port=shim.port)
+        assert await client.poll(5) == (parse_metrics(TEXT), False)
+        assert await client.poll(5) == (parse_metrics(TEXT), False)
+    assert shim.paths == ["/health/poll", "/metrics", "/readyz", "/metrics", "/readyz"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [("not json", 200), (json.dumps(POLL), 500), (json.dumps(POLL), 503)],
+    ids=["garbage", "server-error", "unavailable"],
+)
+async def test_a_health_poll_that_fails_is_a_failed_poll_not_a_fallback(body: str, status: int) -> None:
+    # Only 404 means "an older engine"; any other failure reads as no reading and not ready, as an
+    # unanswered /metrics and /readyz did, and the next poll asks the health poll again.
+    async with Shim(health_poll=body, health_poll_status=status) as shim:
+        connection = ShimConnection("127.0.0.1", shim.port)
+        client = ShimClient(None, "127.0.0.1", port=shim.port, connection=connection)  # type: ignore[arg-type]
+        assert await client.poll(5) == (None, False)
+        assert await client.poll(5) == (None, False)
+        connection.close()
+    assert shim.paths == ["/health/poll", "/health/poll"]
