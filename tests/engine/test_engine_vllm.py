@@ -1,8 +1,9 @@
-"""The engine pod against a real vLLM (cpu profile, tiny model): probes, prewarm, metrics, divergence."""
+"""The engine pod against a real vLLM (cpu profile, tiny model): probes, prewarm, metrics, health poll, divergence."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -94,6 +95,10 @@ def test_probes_before_and_after_prewarm(engine: LaunchedEngine) -> None:
     before = engine.get("/readyz")
     assert before.status == 503
     assert "prewarm has not succeeded" in before.json()["reason"]
+    poll = engine.get("/health/poll")
+    assert poll.status == 200, poll.text  # the poll answered; readiness is in its body
+    assert poll.json()["ready"] is False and "prewarm has not succeeded" in poll.json()["reason"]
+    assert poll.json()["prewarmSucceeded"] is False
     assert engine.get("/prewarm").status == 404
     assert metric(engine.metrics(), "flashmodel_prewarm_succeeded") == 0
 
@@ -113,6 +118,8 @@ def test_probes_before_and_after_prewarm(engine: LaunchedEngine) -> None:
     after = engine.get("/readyz")
     assert after.status == 200, after.text
     assert "one-token generation answered" in after.json()["reason"]
+    poll = engine.get("/health/poll").json()
+    assert poll["ready"] is True and poll["prewarmSucceeded"] is True, poll
     text = engine.metrics()
     assert metric(text, "flashmodel_prewarm_succeeded") == 1
     assert metric(text, "flashmodel_prewarm_ttft_seconds", 'phase="cold"') == pytest.approx(
@@ -171,6 +178,71 @@ def test_a_failed_ad_hoc_prewarm_keeps_a_prewarmed_pod_ready(engine: LaunchedEng
     ready = engine.get("/readyz")
     assert ready.status == 200, ready.text
     assert metric(engine.metrics(), "flashmodel_prewarm_succeeded") == 1
+
+
+def operator_poll(engine: LaunchedEngine) -> tuple[Any, bool]:
+    """One health poll as the operator makes it: its client, over its kept-alive connection."""
+    from flashmodel_operator.shim_client import ShimClient, ShimConnection
+
+    host, port = engine.config["server"]["host"], engine.config["server"]["shimPort"]
+
+    async def poll() -> tuple[Any, bool]:
+        connection = ShimConnection(host, port)
+        async with aiohttp.ClientSession() as session:
+            try:
+                return await ShimClient(session, host, port=port, connection=connection).poll(30)
+            finally:
+                connection.close()
+
+    return asyncio.run(poll())
+
+
+def test_the_health_poll_says_what_readyz_and_metrics_say_in_one_request(engine: LaunchedEngine) -> None:
+    from flashmodel_operator.shim_client import parse_metrics
+
+    ensure_prewarmed(engine)
+    raw = engine.get("/health/poll")
+    assert raw.status == 200, raw.text
+    assert set(raw.json()) == {"ready", "reason", "generation", "prewarmSucceeded", "divergenceRatio",
+                               "divergenceRecommended", "requestsRunning", "requestsWaiting"}
+    reading, ready = operator_poll(engine)
+    scraped = parse_metrics(engine.metrics())
+    assert ready and engine.get("/readyz").status == 200
+    assert reading is not None
+    assert (reading.generation, reading.prewarm_succeeded, reading.divergence_recommended) == (
+        scraped.generation, scraped.prewarm_succeeded, scraped.divergence_recommended) == (1.0, True, False)
+    assert reading.divergence_ratio == pytest.approx(scraped.divergence_ratio, abs=0.01)
+
+    # vLLM's running and waiting requests, from the shim's sample (every 0.5 s in these tests).
+    body = json.dumps({"model": "tiny", "prompt": "the valve on line two", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    seen: list[float] = []
+
+    async def load() -> None:
+        async with aiohttp.ClientSession(headers=auth()) as s:
+            async def one() -> None:
+                async with s.post(engine.engine + "/v1/completions", data=body) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+            async def watch() -> None:
+                while True:
+                    async with s.get(engine.shim + "/health/poll") as r:
+                        answer = await r.json()
+                    seen.append(answer["requestsRunning"] + answer["requestsWaiting"])
+                    await asyncio.sleep(0.1)
+
+            watcher = asyncio.create_task(watch())
+            await asyncio.gather(*(one() for _ in range(8)))
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    asyncio.run(load())
+    assert max(seen) >= 1, f"the poll never saw the 8 requests running: {seen}"
+    idle = wait_for(lambda: (a := engine.get("/health/poll").json())["requestsRunning"] + a["requestsWaiting"] == 0,
+                    timeout=5)
+    assert idle, "the poll still counts requests after they finished"
 
 
 def test_unknown_path_and_method_are_4xx(engine: LaunchedEngine) -> None:
@@ -296,6 +368,10 @@ def test_divergence_detected_when_the_engine_process_grows(engine: LaunchedEngin
         flagged = wait_for(lambda: metric(engine.metrics(), "flashmodel_remediation_recommended",
                                           'reason="memory_divergence"') == 1, timeout=15)
         assert flagged
+        # The operator's poll reads the same signal (it is what the operator decides on).
+        reading, _ = operator_poll(engine)
+        assert reading is not None and reading.divergence_recommended
+        assert reading.divergence_ratio > ratio_limit
         assert time.monotonic() - last_under_start >= window
         ratio = metric(engine.metrics(), "flashmodel_memory_divergence_ratio")
         assert ratio == pytest.approx(grow_mib * 2**20 / total, rel=0.35)
@@ -304,3 +380,5 @@ def test_divergence_detected_when_the_engine_process_grows(engine: LaunchedEngin
     cleared = wait_for(lambda: metric(engine.metrics(), "flashmodel_remediation_recommended",
                                       'reason="memory_divergence"') == 0, timeout=20)
     assert cleared, "memory was released but the signal stayed"
+    reading, _ = operator_poll(engine)
+    assert reading is not None and not reading.divergence_recommended
