@@ -264,12 +264,27 @@ def wait_and_watch(timeline: Timeline, what: str, done: Callable[[list[dict[str,
         time.sleep(2)
 
 
-def _serving(pods: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
-    """The live pods with their prewarm gate open, where exactly `replicas` live pods exist; else []."""
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    if len(live) != replicas or not all(_condition(p, PREWARM_GATE).get("status") == "True" for p in live):
-        return []
-    return live
+def _live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _gate_open(pod: dict[str, Any]) -> bool:
+    return _condition(pod, PREWARM_GATE).get("status") == "True"
+
+
+def _standing_by(pod: dict[str, Any]) -> bool:
+    gate = _condition(pod, PREWARM_GATE)
+    return gate.get("status") == "False" and gate.get("reason") == "Standby"
+
+
+def _serving_with_standby(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(serving pod, standby pod) where exactly those two live pods exist, one serving, one a prewarmed standby."""
+    live = _live(pods)
+    serving = [p["metadata"]["name"] for p in live if _gate_open(p)]
+    standby = [p["metadata"]["name"] for p in live if _standing_by(p)]
+    if len(live) != 2 or len(serving) != 1 or len(standby) != 1:
+        return None
+    return serving[0], standby[0]
 
 
 # -- the acts ------------------------------------------------------------------------------------
@@ -372,12 +387,14 @@ def chat(endpoint: str, key: str, content: str, max_tokens: int = 16) -> tuple[i
 
 def act_serving(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineKubelet, tiny: Path, key: str) -> None:
     say()
-    say(f"==> Act 1: FlashModel {namespace}/{MODEL}, 2 replicas of a tiny random-weight Qwen2 on vLLM for the CPU")
+    say(f"==> Act 1: FlashModel {namespace}/{MODEL}, a tiny random-weight Qwen2 on vLLM for the CPU: one replica "
+        "serving and one standby (loaded and prewarmed, kept out of the Service until it is needed)")
     doc = cpu_model(
         namespace,
         MODEL,
         tiny,
-        replicas=2,
+        replicas=1,
+        standby_replicas=1,
         auth={"apiKeySecretRef": {"name": API_KEY_SECRET}},
         prewarm={"requests": 3, "maxTokens": 8, "timeoutSeconds": 120},
         health={"readinessDeadlineSeconds": 10, "startupTimeoutSeconds": 600},
@@ -387,13 +404,14 @@ def act_serving(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineK
     )
     say(yaml.safe_dump(doc, sort_keys=False).rstrip())
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
-    say("Each pod's engine loads (about a minute or two here); it joins the Service only once the operator's "
-        f"prewarm succeeded and set its readiness gate {PREWARM_GATE}:")
+    say("Each pod's engine loads (about a minute or two here); a pod joins the Service only once the operator's "
+        f"prewarm succeeded and set its readiness gate {PREWARM_GATE}. The second prewarmed pod is held as the "
+        "standby (gate False, reason Standby):")
     timeline = Timeline(reads, namespace, MODEL, kubelet)
     wait_and_watch(
         timeline,
-        "both pods prewarmed and the model Ready",
-        lambda pods: bool(_serving(pods, 2)) and reads.model_ready(namespace, MODEL),
+        "one pod serving, one standby and the model Ready",
+        lambda pods: _serving_with_standby(pods) is not None and reads.model_ready(namespace, MODEL),
         ENGINE_START_TIMEOUT,
         f"Engine logs: {kubelet.workdir}/<pod>/engine.log; the operator's log is printed above.",
     )
@@ -405,10 +423,12 @@ def act_serving(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineK
     fm = reads.flashmodel(namespace, MODEL)
     say("Prewarm time to first token per pod (status.pods[]: coldTTFTMs is the first warm-up request, "
         "warmTTFTMs the last):")
-    say(f"  {'POD':<34}{'PREWARMED':<11}{'COLD TTFT':>12}{'WARM TTFT':>12}")
+    say(f"  {'POD':<34}{'PREWARMED':<11}{'ROLE':<9}{'COLD TTFT':>12}{'WARM TTFT':>12}")
     for entry in fm["status"].get("pods") or []:
-        say(f"  {entry['name']:<34}{entry.get('prewarmed')!s:<11}"
+        role = "standby" if entry.get("standby") else "serving"
+        say(f"  {entry['name']:<34}{entry.get('prewarmed')!s:<11}{role:<9}"
             f"{entry.get('coldTTFTMs', 0):>9.1f} ms{entry.get('warmTTFTMs', 0):>9.1f} ms")
+    say(f"status.standbyReplicas: {fm['status'].get('standbyReplicas')}")
     say()
     endpoint = f"http://{reads.ready_endpoints(namespace, MODEL)[0]}:8000"
     say(f"A chat completion from a ready endpoint of Service {namespace}/{MODEL} (the key is in Secret "
@@ -439,9 +459,10 @@ def _divergence_signal(shim: str) -> bool:
 def act_remediation(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineKubelet, key: str) -> bool:
     """Returns whether no accepted request was lost."""
     say()
-    say("==> Act 2: one pod's memory diverges; the operator drains it, evicts it and prewarms a replacement, "
-        "while a client keeps sending requests through the Service's ready endpoints")
-    # One client at a steady few requests a second: a flood would starve the replacement's engine
+    say("==> Act 2: the serving pod's memory diverges; the operator promotes the standby, drains the diverging "
+        "pod, evicts it, and a new standby starts, while a client keeps sending requests through the Service's "
+        "ready endpoints")
+    # One client at a steady few requests a second: a flood would starve the new standby's engine
     # of the two cores it loads on, and the point is that every request is answered.
     with Load(cp, namespace, MODEL, workers=1, pause=0.2, api_key=key) as load:
         deadline = time.monotonic() + 60
@@ -450,10 +471,13 @@ def act_remediation(cp: ControlPlane, reads: Reads, namespace: str, kubelet: Eng
                 raise DemoError(f"the client got no answers in 60s (lost: {load.lost[:3]})")
             time.sleep(0.5)
         say(f"Client running: {load.completed} requests completed so far.")
-        target = sorted(kubelet.pods)[0]
+        roles = _serving_with_standby(reads.pods(namespace, MODEL))
+        if roles is None:
+            raise DemoError("act 1 left no serving pod and standby; read the operator log (path above)")
+        target, spare = roles
         pod = kubelet.pods[target]
-        say(f"Pod {target}'s engine now allocates {DIVERGENCE_MIB} MiB that vLLM does not account for "
-            f"(written to {pod.hog_file}):")
+        say(f"Pod {target} serves and pod {spare} stands by. Pod {target}'s engine now allocates {DIVERGENCE_MIB} "
+            f"MiB that vLLM does not account for (written to {pod.hog_file}):")
         timeline = Timeline(reads, namespace, MODEL, kubelet)
         # What act 1 already showed is not news.
         timeline.pods = {p["metadata"]["name"]: pod_facts(p) for p in reads.pods(namespace, MODEL)}
@@ -467,15 +491,18 @@ def act_remediation(cp: ControlPlane, reads: Reads, namespace: str, kubelet: Eng
                 signalled = True
                 timeline.line(f"pod {target}: the engine's divergence signal is up "
                               "(flashmodel_remediation_recommended{reason=\"memory_divergence\"} 1)")
-            serving = _serving(pods, 2)
-            return (bool(serving) and target not in {p["metadata"]["name"] for p in pods}
+            live = {p["metadata"]["name"]: p for p in _live(pods)}
+            return (target not in live and spare in live and _gate_open(live[spare])
                     and reads.model_ready(namespace, MODEL))
 
-        wait_and_watch(timeline, "the diverging pod replaced and the model Ready 2/2 again", replaced,
+        wait_and_watch(timeline, "the standby serving in the diverging pod's place", replaced,
                        REPLACEMENT_TIMEOUT, "Read the operator log (path above) for event=remediation-held lines.")
         took = time.monotonic() - timeline.t0
+        say(f"Replaced in {took:.0f}s from the first byte of divergence: the standby serves and the diverging pod "
+            "is evicted (the engine's divergence window and the operator's confirmation are most of it).")
+        wait_and_watch(timeline, f"pod {target} gone", lambda pods: target not in {p["metadata"]["name"] for p in pods},
+                       REPLACEMENT_TIMEOUT, "Its engine drains for at most terminationGracePeriodSeconds.")
         time.sleep(2)
-    say(f"Replaced in {took:.0f}s (the replacement's engine load and prewarm is most of it).")
     say()
     show(cp, "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={MODEL}",
          "--sort-by=.lastTimestamp")

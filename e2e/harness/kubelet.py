@@ -64,13 +64,21 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_O
 
 
 def cpu_model(
-    ns: str, name: str, tiny_model: Path, *, replicas: int, grace_seconds: int, **blocks: dict[str, Any]
+    ns: str,
+    name: str,
+    tiny_model: Path,
+    *,
+    replicas: int,
+    grace_seconds: int,
+    standby_replicas: int = 0,
+    **blocks: dict[str, Any],
 ) -> dict[str, Any]:
     """A FlashModel on the cpu profile for the tiny model, its pods left to this kubelet (`blocks`: more spec)."""
     spec: dict[str, Any] = {
         "model": {"hub": {"id": str(tiny_model)}, "servedName": "tiny"},
         "accelerator": "cpu",
         "replicas": replicas,
+        **({"standbyReplicas": standby_replicas} if standby_replicas else {}),
         "engine": {
             "blockSize": 32,
             "dtype": "float32",

@@ -27,12 +27,15 @@ from flashmodel_operator.remediation import (
 )
 from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient
+from flashmodel_operator.standby_gate import promote_for
 
 if TYPE_CHECKING:
     from flashmodel_operator.gating import PodWatch
 
 log = logging.getLogger(__name__)
 
+STANDBY_ROUTED_SECONDS = 15.0
+"""How long a drain waits for a promoted standby to become a ready endpoint before it goes on anyway."""
 DRAIN_SECONDS = 30.0
 """How long a drained pod may finish its in-flight requests before it is evicted anyway (the engine drains too)."""
 
@@ -82,8 +85,15 @@ async def decide(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, now:
 
 
 async def remediate(watch: PodWatch, fm: dict[str, Any], shim: ShimClient, decision: Decision) -> None:
-    """Drain (gate off: the Service stops routing here; wait for in-flight requests), then evict."""
+    """Promote a standby in its place, drain (gate off: the Service stops routing here; wait for
+    in-flight requests), then evict."""
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": watch.name, "namespace": watch.namespace}}
+    spec = watch.spec_of(fm)
+    promoted = None if spec is None else await promote_for(watch, fm, spec, f"{decision.reason}: {decision.message}")
+    if promoted is not None:
+        # The standby takes traffic before this pod stops taking it, so the model never has fewer
+        # endpoints than before, even with one replica.
+        await _wait_routed(watch, promoted[1], STANDBY_ROUTED_SECONDS)
     await watch.set_gate(False, decision.reason, "draining: " + decision.message)
     await watch.api(watch.cluster.event, pod, "Warning", decision.reason, "draining and evicting: " + decision.message)
     deadline = time.monotonic() + DRAIN_SECONDS
@@ -113,6 +123,20 @@ async def remediate(watch: PodWatch, fm: dict[str, Any], shim: ShimClient, decis
             break
         await asyncio.sleep(0.5)
     await evict_and_record(watch, fm, decision)
+
+
+async def _wait_routed(watch: PodWatch, address: str, seconds: float) -> None:
+    """Until the Service's ready endpoints include `address`, or `seconds` pass (then drain anyway)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            routed = await watch.api(watch.cluster.serving_addresses, watch.namespace, watch.model)
+        except ApiException:
+            return
+        if address in routed:
+            await asyncio.sleep(current().endpoint_propagation_seconds)
+            return
+        await asyncio.sleep(0.25)
 
 
 async def evict_and_record(watch: PodWatch, fm: dict[str, Any], decision: Decision) -> None:

@@ -20,6 +20,7 @@ from flashmodel_operator.model_status import write_pods
 from flashmodel_operator.pod_state import (
     PodRecord,
     container_restarts,
+    gate_is_standby,
     gate_is_true,
     model_state,
     pod_is_ready,
@@ -29,6 +30,7 @@ from flashmodel_operator.remediation import CONFIRM_SECONDS, PodHealth
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient, ShimConnection
+from flashmodel_operator.standby_gate import serve_if_needed, stand_by_if_surplus, template_of
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ class PodWatch:
         self.restarts_seen: int | None = None
         self.prewarm_failure: str | None = None
         """Set once every prewarm attempt failed: the pod waits for its turn to be replaced."""
+        self.template = ""
+        """The pod's config hash (which spec it runs), from its annotation."""
 
     async def api(self, fn: Callable[..., T], *args: Any) -> T:
         # The API client is synchronous; keep the event loop free for the other pods.
@@ -141,7 +145,9 @@ class PodWatch:
             seen = self.live_body.get("status") or {}
             if seen.get("phase") != "Running" or not seen.get("podIP"):
                 return 1.0
-            if gate_is_true(self.live_body) and self.gate_written is not False:
+            steady = gate_is_true(self.live_body) and self.gate_written is not False
+            waiting = gate_is_standby(self.live_body) and self.gate_written is not True
+            if steady or waiting:
                 # A warm pod, polled every few seconds for as long as it lives: the watch stream's
                 # view is current enough for its health, and 1,000 pods would otherwise cost
                 # 200 pod reads a second. Anything in transition (prewarm, a gate this watch just
@@ -173,9 +179,22 @@ class PodWatch:
         shim = ShimClient(
             self.session, ip, port=self.shim_port, token=self.state.control_token, connection=self.connection
         )
+        self.template = template_of(pod)
+        if gate_is_standby(pod) and self.state.in_flight != self.name:
+            # Prewarmed and held out of the Service: watched like a serving pod, and promoted when needed.
+            self.state.pods.setdefault(self.name, PodRecord(prewarmed=True, standby=True))
+            delay = await self.watch_health(pod, fm, spec, shim)
+            record = self.state.pods.get(self.name)
+            if delay is not None and record is not None and await serve_if_needed(self, fm, spec, record):
+                return 0.5
+            return delay
         if not gate_is_true(pod):
             return await prewarm(self, pod, fm, spec, shim)
-        return await self.watch_health(pod, fm, spec, shim)
+        delay = await self.watch_health(pod, fm, spec, shim)
+        record = self.state.pods.get(self.name)
+        if delay is not None and record is not None and await stand_by_if_surplus(self, fm, spec, record):
+            return 0.5
+        return delay
 
     def spec_of(self, fm: Mapping[str, Any]) -> FlashModelSpec | None:
         """The model's spec, validated once per generation (None when invalid): a poll must not re-parse it."""
@@ -194,7 +213,8 @@ class PodWatch:
         self, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
     ) -> float | None:
         now = time.monotonic()
-        self.state.pods.setdefault(self.name, PodRecord(prewarmed=True))
+        record = self.state.pods.setdefault(self.name, PodRecord(prewarmed=True))
+        record.template = self.template
         restarts = container_restarts(pod)
         if self.restarts_seen is None:
             self.restarts_seen = restarts
@@ -235,6 +255,7 @@ class PodWatch:
             divergent_since=self.divergent_since,
             readyz_failing_since=self.readyz_failing_since,
             endpoint_ready=pod_is_ready(pod),
+            standby=record.standby,
         )
         async with self.state.lock:
             self.state.health[self.name] = health

@@ -1003,6 +1003,19 @@ class FlashModelSpec(_Spec):
         json_schema_extra={"format": "int32"},
         description="Number of engine pods (replicas), the scale subresource target (kubectl scale, HPA). Default 1.",
     )
+    standby_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=4,
+        json_schema_extra={"format": "int32"},
+        description=(
+            "Engine pods kept loaded and prewarmed but out of the Service, on top of replicas (each takes a GPU). "
+            "A standby takes a pod's place in seconds instead of a cold start: before a pod is drained for "
+            "remediation, when a serving pod is lost, and when replicas grows; a new standby then starts. Standby "
+            "pods are not Ready on purpose, so the Deployment never counts all its pods available; the "
+            "FlashModel's Ready condition and status.standbyReplicas say how the model stands. Default 0."
+        ),
+    )
     engine: EngineSpec = Field(
         default_factory=EngineSpec,
         description=(

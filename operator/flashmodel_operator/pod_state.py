@@ -22,9 +22,19 @@ class PodRecord:
     last_prewarm_time: str | None = None
     prewarm_failures: int = 0
     reason: str | None = None
+    standby: bool = False
+    """Prewarmed, and held out of the Service (gate closed) until it is needed."""
+    template: str = ""
+    """The pod's config hash: which spec it runs."""
+
+    @property
+    def serving(self) -> bool:
+        return self.prewarmed and not self.standby
 
     def to_status(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = {"name": name, "prewarmed": self.prewarmed, "prewarmFailures": self.prewarm_failures}
+        if self.standby:
+            out["standby"] = True
         for key, value in (
             ("coldTTFTMs", self.cold_ttft_ms),
             ("warmTTFTMs", self.warm_ttft_ms),
@@ -58,7 +68,11 @@ def model_state(namespace: str, model: str) -> ModelState:
     return MODELS.setdefault((namespace, model), ModelState())
 
 
-PREWARMED_REASONS = frozenset({"PrewarmSucceeded", "PrewarmDisabled"})
+PROMOTED = "Promoted"
+"""The gate reason of a standby that now serves."""
+STANDBY = "Standby"
+"""The gate reason of a prewarmed pod held out of the Service as a standby."""
+PREWARMED_REASONS = frozenset({"PrewarmSucceeded", "PrewarmDisabled", PROMOTED})
 """The gate reasons this operator writes when it opens the gate; anything else did not see our prewarm."""
 
 
@@ -69,6 +83,14 @@ def gate_is_true(pod: Mapping[str, Any]) -> bool:
     """
     return any(
         c.get("type") == PREWARM_GATE and c.get("status") == "True" and c.get("reason") in PREWARMED_REASONS
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def gate_is_standby(pod: Mapping[str, Any]) -> bool:
+    """The pod's gate is closed by this operator because the pod waits, prewarmed, as a standby."""
+    return any(
+        c.get("type") == PREWARM_GATE and c.get("status") == "False" and c.get("reason") == STANDBY
         for c in (pod.get("status") or {}).get("conditions") or []
     )
 

@@ -15,6 +15,7 @@ from flashmodel_operator.pod_state import PodRecord, container_restarts
 from flashmodel_operator.remediation import PodHealth
 from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient
+from flashmodel_operator.standby_gate import open_or_hold
 
 if TYPE_CHECKING:
     from flashmodel_operator.gating import PodWatch
@@ -38,8 +39,9 @@ async def prewarm(
     if not await shim.started():
         return 2.0  # still loading; the startup probe owns the deadline
     record = watch.state.pods.setdefault(watch.name, PodRecord())
+    record.template = watch.template
     if not spec.prewarm.enabled:
-        await watch.set_gate(True, "PrewarmDisabled", "spec.prewarm.enabled is false")
+        await open_or_hold(watch, fm, spec, record, "PrewarmDisabled", "spec.prewarm.enabled is false")
         record.prewarmed, record.reason = True, "PrewarmDisabled"
         await watch.write_pods_status()
         return current().monitor_seconds
@@ -56,19 +58,22 @@ async def prewarm(
         watch.attempts = 0
         watch.divergent_since = watch.readyz_failing_since = None
         msg = f"{result.get('requests')} warm-up requests, cold TTFT {cold:.0f} ms, warm TTFT {warm:.0f} ms"
-        await watch.set_gate(True, "PrewarmSucceeded", msg)
+        serves = await open_or_hold(watch, fm, spec, record, "PrewarmSucceeded", msg)
+        if not serves:
+            msg += "; held out of the Service as a standby"
         record.prewarmed, record.reason = True, None
         record.cold_ttft_ms, record.warm_ttft_ms = round(cold, 1), round(warm, 1)
         record.last_prewarm_time = now_iso()
         await watch.api(watch.cluster.event, pod, "Normal", "Prewarmed", msg)
         log.info(
-            "event=prewarmed model=%s/%s pod=%s cold_ms=%.1f warm_ms=%.1f seconds=%.1f",
+            "event=prewarmed model=%s/%s pod=%s cold_ms=%.1f warm_ms=%.1f seconds=%.1f standby=%s",
             watch.namespace,
             watch.model,
             watch.name,
             cold,
             warm,
             time.monotonic() - started,
+            not serves,
         )
         await watch.write_pods_status()
         return current().monitor_seconds

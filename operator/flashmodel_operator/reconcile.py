@@ -23,7 +23,7 @@ from flashmodel_operator.apply import Cluster, api_message, namespace_terminatin
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.model import FlashModel, FlashModelSpec
-from flashmodel_operator.pod_state import gate_is_true
+from flashmodel_operator.pod_state import gate_is_standby, gate_is_true
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     control_secret_name,
@@ -34,6 +34,7 @@ from flashmodel_operator.render import (
     render_control_secret,
     render_pod_template,
     selector_string,
+    standby_count,
 )
 from flashmodel_operator.settings import current
 
@@ -266,10 +267,13 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
         p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash
     ]
     desired = 0 if held else fm.spec.replicas
+    # Standby pods are on top of replicas and never Ready: the scale subresource, the conditions and
+    # an autoscaler count the serving pods.
+    serving_pods = max(0, int(dep_status.get("replicas", 0)) - standby_count(fm, desired))
     obs = Observation(
         generation=generation,
         desired_replicas=desired,
-        replicas=int(dep_status.get("replicas", 0)),
+        replicas=serving_pods,
         ready_replicas=int(dep_status.get("readyReplicas", 0)),
         updated_replicas=int(dep_status.get("updatedReplicas", 0)),
         prewarmed_replicas=sum(
@@ -294,6 +298,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
             "replicas": obs.replicas,
             "readyReplicas": obs.ready_replicas,
             "prewarmedReplicas": obs.prewarmed_replicas,
+            "standbyReplicas": sum(
+                1 for p in current_pods if gate_is_standby(p) and not p["metadata"].get("deletionTimestamp")
+            ),
             "replicasSummary": f"{obs.ready_replicas}/{fm.spec.replicas}",
             "selector": selector_string(fm),
             "servedName": fm.served_name,

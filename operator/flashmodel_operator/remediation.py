@@ -40,6 +40,8 @@ class PodHealth:
     The gate alone is not enough: a replacement's gate opens before its container's first passing
     readiness probe, and draining another pod in that window leaves the model with no endpoint.
     """
+    standby: bool = False
+    """Prewarmed and held out of the Service (spec.standbyReplicas): replacing it takes no traffic away."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def decide(pods: list[PodHealth], budget: ModelBudget, spec: RemediationSpec, no
     if (
         reason == MEMORY_DIVERGENCE
         and pod.prewarmed
+        and not pod.standby
         and budget.desired_pods > 1
         and budget.ready_pods < budget.desired_pods
     ):

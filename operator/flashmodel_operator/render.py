@@ -374,15 +374,19 @@ def render_deployment(fm: FlashModel, replicas: int | None = None) -> dict[str, 
     """The engine Deployment; `replicas` overrides the spec (the operator holds 0 after a preflight refusal)."""
     spec = fm.spec
     startup = spec.health.startup_timeout_seconds + (spec.prewarm.timeout_seconds if spec.prewarm.enabled else 0)
+    serving = spec.replicas if replicas is None else replicas
+    standby = standby_count(fm, serving)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(fm, fm.name),
         "spec": {
-            "replicas": spec.replicas if replicas is None else replicas,
+            "replicas": serving + standby,
             "selector": {"matchLabels": selector_labels(fm)},
-            # Surge one pod and keep every warm pod serving until its replacement is warm.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # Surge one pod and keep every warm pod serving until its replacement is warm. A standby
+            # is never Ready (its gate stays closed), so it counts as unavailable: without it in
+            # maxUnavailable a rollout would wait for it forever.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": standby}},
             "progressDeadlineSeconds": startup + 120,
             "revisionHistoryLimit": 3,
             "template": render_pod_template(fm),
@@ -406,13 +410,19 @@ def render_service(fm: FlashModel) -> dict[str, Any]:
     }
 
 
+def standby_count(fm: FlashModel, serving: int) -> int:
+    """The standby pods the Deployment adds to `serving` pods: none for a model held or scaled to zero."""
+    return fm.spec.standby_replicas if serving > 0 else 0
+
+
 def render_pdb(fm: FlashModel) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(fm, fm.name),
         "spec": {
-            "maxUnavailable": 1,
+            # One serving pod at a time; standby pods are unready on purpose and must not use up that one.
+            "maxUnavailable": 1 + standby_count(fm, fm.spec.replicas),
             "selector": {"matchLabels": selector_labels(fm)},
             # A hung, unready pod must stay evictable, or remediation could never replace it.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",

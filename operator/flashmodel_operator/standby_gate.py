@@ -1,0 +1,162 @@
+"""Per engine pod: open the gate or hold the pod as a standby, promote a standby, step a surplus pod back.
+
+standby.py decides from a list of pods; this module feeds it. The operator's memory of its pods
+(ModelState.pods) answers the common case, "nothing to do", without an API request; every change
+is decided again on a fresh pod list under the model's lock, because memory lags behind a restart
+of the operator and behind other pods' watches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from flashmodel_operator.model import FlashModel, FlashModelSpec
+from flashmodel_operator.pod_state import PROMOTED, STANDBY, ModelState, PodRecord, gate_is_standby, gate_is_true
+from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, MODEL_LABEL, PREWARM_GATE, render_pod_template
+from flashmodel_operator.standby import GateView, pick_standby, should_serve, should_stand_by
+
+if TYPE_CHECKING:
+    from flashmodel_operator.gating import PodWatch
+
+log = logging.getLogger(__name__)
+
+_templates: dict[tuple[str, int], str] = {}
+
+
+def current_template(fm: dict[str, Any]) -> str:
+    """The config hash of the pods the model's spec renders now (what reconcile calls current)."""
+    meta = fm.get("metadata") or {}
+    key = (str(meta.get("uid", "")), int(meta.get("generation", 0)))
+    found = _templates.get(key)
+    if found is None:
+        found = render_pod_template(FlashModel.from_body(fm))["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+        if len(_templates) > 4096:  # deleted models' entries: a bound, not an eviction policy
+            _templates.clear()
+        _templates[key] = found
+    return str(found)
+
+
+def template_of(pod: dict[str, Any]) -> str:
+    return str((pod["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION, ""))
+
+
+def memory_views(state: ModelState) -> list[GateView]:
+    return [GateView(name, r.template, r.serving, r.prewarmed and r.standby) for name, r in state.pods.items()]
+
+
+def api_views(pods: list[dict[str, Any]]) -> list[GateView]:
+    return [
+        GateView(p["metadata"]["name"], template_of(p), gate_is_true(p), gate_is_standby(p))
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+async def _live_pods(watch: PodWatch) -> list[dict[str, Any]]:
+    return await watch.api(watch.cluster.list, "v1", "Pod", watch.namespace, f"{MODEL_LABEL}={watch.model}")
+
+
+async def open_or_hold(
+    watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord, reason: str, message: str
+) -> bool:
+    """After a prewarm: open the pod's gate, or hold it as a standby. True when it serves."""
+    if spec.standby_replicas == 0:
+        await watch.set_gate(True, reason, message)
+        record.standby = False
+        return True
+    template = current_template(fm)
+    async with watch.state.lock:
+        views = api_views(await _live_pods(watch))
+        me = GateView(watch.name, record.template, serving=False)
+        serve = should_serve(me, views, template, spec.replicas, spec.standby_replicas, watch.state.in_flight)
+        if serve:
+            await watch.set_gate(True, reason, message)
+        else:
+            await watch.set_gate(
+                False, STANDBY, f"{message}; held as a standby: spec.replicas={spec.replicas} pods of this spec serve"
+            )
+        record.standby = not serve
+    return serve
+
+
+async def serve_if_needed(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord) -> bool:
+    """A standby's poll: open its gate when fewer pods of the current spec serve than replicas."""
+    if not record.standby:
+        return False
+    template = current_template(fm)
+    me = GateView(watch.name, record.template, serving=False, standby=True)
+    args = (template, spec.replicas, spec.standby_replicas, watch.state.in_flight)
+    if not should_serve(me, memory_views(watch.state), *args):
+        return False
+    async with watch.state.lock:
+        if not record.standby:
+            return False  # promoted meanwhile, by a drain
+        views = api_views(await _live_pods(watch))
+        if not should_serve(me, views, template, spec.replicas, spec.standby_replicas, watch.state.in_flight):
+            return False
+        serving = sum(1 for v in views if v.serving and v.template == template)
+        message = f"standby promoted: {serving} of spec.replicas={spec.replicas} pods of this spec served"
+        await watch.set_gate(True, PROMOTED, message)
+        record.standby = False
+    await _promoted_event(watch, fm, watch.name, message)
+    return True
+
+
+async def stand_by_if_surplus(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord) -> bool:
+    """A serving pod's poll: close its gate and wait as a standby when more pods serve than replicas.
+
+    Its engine keeps running, so the requests it has accepted finish; only new ones go elsewhere.
+    """
+    if spec.standby_replicas == 0 or not record.serving:
+        return False
+    template = current_template(fm)
+    me = GateView(watch.name, record.template, serving=True)
+    args = (template, spec.replicas, spec.standby_replicas, watch.state.in_flight)
+    if not should_stand_by(me, memory_views(watch.state), *args):
+        return False
+    async with watch.state.lock:
+        views = api_views(await _live_pods(watch))
+        if not should_stand_by(me, views, *args):
+            return False
+        serving = sum(1 for v in views if v.serving and v.template == template)
+        message = f"stepped back to standby: {serving} pods of this spec served, spec.replicas={spec.replicas}"
+        await watch.set_gate(False, STANDBY, message)
+        record.standby = True
+    await watch.api(watch.cluster.event, fm, "Normal", "StandingBy", f"pod {watch.name}: {message}")
+    log.info("event=standing-by model=%s/%s pod=%s", watch.namespace, watch.model, watch.name)
+    await watch.write_pods_status()
+    return True
+
+
+async def promote_for(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, why: str) -> tuple[str, str] | None:
+    """Before this watch's pod is drained: open a healthy standby's gate in its place.
+
+    (name, pod IP) of the promoted standby, or None when there is none.
+    """
+    record = watch.state.pods.get(watch.name)
+    if spec.standby_replicas == 0 or record is None or not record.serving:
+        return None  # a standby being replaced carries no traffic to hand over
+    template = current_template(fm)
+    health = watch.state.health.items()
+    healthy = frozenset(n for n, h in health if h.readyz_failing_since is None and not h.divergence_recommended)
+    async with watch.state.lock:
+        pods = await _live_pods(watch)
+        name = pick_standby(api_views(pods), template, healthy)
+        if name is None:
+            return None
+        message = f"standby promoted in place of pod {watch.name}: {why}"
+        await watch.api(watch.cluster.set_pod_condition, watch.namespace, name, PREWARM_GATE, True, PROMOTED, message)
+        promoted = watch.state.pods.get(name)
+        if promoted is not None:
+            promoted.standby = False
+    ip = next(str((p.get("status") or {}).get("podIP", "")) for p in pods if p["metadata"]["name"] == name)
+    await _promoted_event(watch, fm, name, message)
+    return name, ip
+
+
+async def _promoted_event(watch: PodWatch, fm: dict[str, Any], name: str, message: str) -> None:
+    # On the model, beside its Remediated events: `kubectl describe fm` tells the whole replacement.
+    await watch.api(watch.cluster.event, fm, "Normal", "Promoted", f"pod {name}: {message}")
+    log.info("event=promoted model=%s/%s pod=%s", watch.namespace, watch.model, name)
+    await watch.write_pods_status()
