@@ -134,7 +134,8 @@ async def _wait_routed(watch: PodWatch, address: str, seconds: float) -> None:
         except ApiException:
             return
         if address in routed:
-            await asyncio.sleep(current().endpoint_propagation_seconds)
+            # No propagation wait here: until the drain's own wait is over, the old pod still serves
+            # whoever has not heard of the new endpoint yet.
             return
         await asyncio.sleep(0.25)
 
