@@ -22,8 +22,9 @@ the operator polls /metrics and /readyz instead. Then, for each level of the fle
 4. after the last level: a burst of --burst new models created at once (16 client threads), timed to all
    children, all statuses (observedGeneration 1) and all pods prewarmed;
 5. optionally (--detect), the detection time of a hung and a diverging pod: the stand-in's /readyz starts
-   failing (or its divergence signal turns on) on one pod of a model with hungReadinessSeconds 10; the
-   time to its eviction, minus the thresholds, is how long the operator took to see it.
+   failing (or its divergence signal turns on) on the pod of each of 4 models with hungReadinessSeconds 10,
+   the 4 faults staggered over one poll period; the time from each fault to the operator's decision,
+   minus the threshold, is how long the operator took to see it.
 
 Prints the JSON; writes it with --json. The machine's 2 cores are shared: read CPU seconds, not wall time.
 """
@@ -398,7 +399,7 @@ def main() -> int:
                     progress(f"burst: {results['burst']}")
 
                 if args.detect:
-                    results["detect"] = detect(fleet, create, ns, control_port)
+                    results["detect"] = detect(fleet, create, ns, control_port, production.monitor_seconds)
                     progress(f"detect: {results['detect']}")
                 log_text = log_path.read_text(errors="replace")
                 results["operator_log_errors"] = sum(
@@ -422,10 +423,11 @@ CONFIRM_SECONDS = 15  # remediation.CONFIRM_SECONDS: the operator's confirmation
 
 
 DETECT_PODS = 4
-"""Pods faulted at once per kind: each pod's poll phase is its own, so each is one sample of the delay."""
+"""Pods faulted per kind, each one sample of the delay. Created together, their pods are polled nearly in
+step, so their faults are staggered over one poll period: the samples then cover the poll phase."""
 
 
-def detect(fleet: Fleet, create: Any, ns: str, control_port: int) -> dict[str, Any]:
+def detect(fleet: Fleet, create: Any, ns: str, control_port: int, monitor_seconds: float) -> dict[str, Any]:
     """Seconds from a fault appearing on a pod to the operator's decision (its gate closed to drain it).
 
     The decision can come no sooner than the threshold (hungReadinessSeconds, or the operator's
@@ -440,18 +442,20 @@ def detect(fleet: Fleet, create: Any, ns: str, control_port: int) -> dict[str, A
         fleet.wait(f"detect-{kind} prewarmed", lambda k=set(keys): fleet.prewarmed(k) >= len(k), 180)
         time.sleep(7)  # past the first polls after the prewarm: the fault starts on a steady pod
         pods = [fleet.pod_of(key) for key in keys]
-        t0 = time.monotonic()
-        for _, ip in pods:
+        first, started = time.monotonic(), {}
+        for i, (name, ip) in enumerate(pods):
             assert ip is not None
+            time.sleep(max(0.0, first + i * monitor_seconds / len(pods) - time.monotonic()))
+            started[name] = time.monotonic()
             fault(control_port, ip, kind)
         fleet.wait(f"detect-{kind} evictions", lambda p=pods: all(n in fleet.deleted_at for n, _ in p), 240)
-        decided = [fleet.drained_at.get(n, fleet.deleted_at[n]) - t0 for n, _ in pods]
+        decided = [fleet.drained_at.get(n, fleet.deleted_at[n]) - started[n] for n, _ in pods]
         for _, ip in pods:
             fault(control_port, str(ip), "none")
         out[kind] = {
             "threshold_s": threshold,
             "fault_to_decision_s": [round(d, 1) for d in decided],
-            "fault_to_eviction_s": [round(fleet.deleted_at[n] - t0, 1) for n, _ in pods],
+            "fault_to_eviction_s": [round(fleet.deleted_at[n] - started[n], 1) for n, _ in pods],
             "seen_after_s_mean": round(statistics.mean(decided) - threshold, 2),
             "seen_after_s_max": round(max(decided) - threshold, 2),
         }
