@@ -55,20 +55,36 @@ def test_the_script_refuses_an_unknown_argument_and_says_what_it_takes() -> None
 @pytest.mark.usefixtures("testbin")
 def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_request(engine_python: str) -> None:
     """Slow (about 4 min warm on two cores): the whole demo, a control plane, the operator and two real
-    vLLM engines loading at once, then one engine's memory grows and its replacement loads and prewarms."""
+    vLLM engines loading at once (one serves, one stands by), then the serving engine's memory grows,
+    the standby takes its place and a new standby starts loading."""
     rc, out, seconds = _demo("--engine-python", engine_python, timeout=900)
     print(f"bench: full demo {seconds:.1f}s")
     assert rc == 0, out[-6000:]
-    # Act 1: the gate opened on both pods, the model is Ready 2/2, and the model answered.
-    assert len(re.findall(r"gate serving\.flashmodel\.io/prewarmed: .* -> True", out)) >= 2, out[-6000:]
-    assert re.search(rf"^{MODEL}\s+True\s+2/2\s+cpu\s+{MODEL}\s", out, re.MULTILINE), out[-6000:]
-    ttfts = re.findall(r"^  \S+\s+True\s+([\d.]+) ms\s+([\d.]+) ms$", out, re.MULTILINE)
-    assert len(ttfts) == 2 and all(float(c) > 0 and float(w) > 0 for c, w in ttfts), ttfts
+    # Act 1: the serving pod's gate opened, the second prewarmed pod waits as the standby, the model
+    # is Ready 1/1, and the model answered.
+    assert re.search(r"gate serving\.flashmodel\.io/prewarmed: .* -> True \(PrewarmSucceeded", out), out[-6000:]
+    assert re.search(r"gate serving\.flashmodel\.io/prewarmed: .* -> False \(Standby: ", out), out[-6000:]
+    assert re.search(rf"^{MODEL}\s+True\s+1/1\s+cpu\s+{MODEL}\s", out, re.MULTILINE), out[-6000:]
+    rows = re.findall(r"^  (\S+)\s+True\s+(serving|standby)\s+([\d.]+) ms\s+([\d.]+) ms$", out, re.MULTILINE)
+    assert sorted(role for _, role, _, _ in rows) == ["serving", "standby"], rows
+    assert all(float(c) > 0 and float(w) > 0 for _, _, c, w in rows), rows
+    assert "status.standbyReplicas: 1" in out
     assert re.search(r"^HTTP 200 in \d+ ms: .*\"finish_reason\"", out, re.MULTILINE), out[-6000:]
     assert "The same request without the key: HTTP 401" in out
-    # Act 2: drained, evicted, replaced, and the client lost nothing.
+    # Act 2: the act-1 standby promoted before the diverging pod's gate closed, then the eviction,
+    # and the client lost nothing.
+    (server,) = [name for name, role, _, _ in rows if role == "serving"]
+    (standby,) = [name for name, role, _, _ in rows if role == "standby"]
+    promoted = out.find(f"pod {standby}: gate serving.flashmodel.io/prewarmed: False (Standby: ")
+    drained = out.find(f"pod {server}: gate serving.flashmodel.io/prewarmed: True (PrewarmSucceeded: ")
+    assert 0 <= promoted < drained, out[-6000:]
+    assert "-> True (Promoted: standby promoted in place of pod " + server in out, out[-6000:]
+    assert re.search(rf"pod {server}: .* -> False \(MemoryDivergence: draining", out), out[-6000:]
     assert "Remediated" in out and "MemoryDivergence" in out, out[-6000:]
-    assert re.search(r"gone \(deleted\)", out), out[-6000:]
+    assert re.search(rf"pod {server}: gone \(deleted\)", out), out[-6000:]
+    replaced = re.search(r"^Replaced in (\d+)s", out, re.MULTILINE)
+    assert replaced, out[-6000:]
+    print(f"bench: demo act 2, divergence -> standby serving and diverging pod evicted: {replaced[1]}s")
     counts = re.search(r"accepted=(\d+) completed=(\d+) failed=(\d+)", out)
     assert counts, out[-6000:]
     assert int(counts[3]) == 0 and int(counts[2]) > 10, counts[0]
