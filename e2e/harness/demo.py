@@ -4,14 +4,15 @@ Act 0 (also `--objects-only`): a control plane (e2e/harness/cluster.py), the CRD
 examples/ FlashModels and the children the operator made for them. Their pods land on kwok
 nodes, which start no engine.
 
-Act 1: a FlashModel for a tiny random-weight model on the cpu profile, with an API key; each
-of its two pods runs the real launcher, health shim and vLLM for the CPU (e2e/harness/kubelet.py). The
-prewarm gate opens, the model turns Ready with each pod's cold and warm TTFT, and a chat
-completion is asked of one of its Service's endpoints.
+Act 1: a FlashModel for a tiny random-weight model on the cpu profile, with an API key, one replica
+and one standby; each of its two pods runs the real launcher, health shim and vLLM for the CPU
+(e2e/harness/kubelet.py). The prewarm gate opens on one, the other is held out of the Service as the
+standby, the model turns Ready with each pod's cold and warm TTFT, and a chat completion is asked of
+one of its Service's endpoints.
 
-Act 2: one pod's engine grows its memory behind vLLM's back (the kubelet's hog file), and the
-operator drains it, evicts it and prewarms its replacement while a client keeps sending
-requests through the Service's ready endpoints; none may fail.
+Act 2: the serving pod's engine grows its memory behind vLLM's back (the kubelet's hog file); the
+operator promotes the standby, drains the diverging pod and evicts it, and a new standby starts,
+while a client keeps sending requests through the Service's ready endpoints; none may fail.
 """
 
 from __future__ import annotations
