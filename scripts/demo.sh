@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The main job, locally: a real control plane (etcd, kube-apiserver, controller-manager, scheduler,
 # kwok fake T4 nodes), the CRD, the operator and the examples/ FlashModels; then a FlashModel whose
-# two pods run real vLLM engines (a tiny random-weight model, on the CPU) answering a chat
-# completion behind the prewarm gate, and one of them replaced for memory divergence while a
-# client keeps sending requests. The driver is e2e/harness/demo.py.
+# two pods run real vLLM engines (a tiny random-weight model, on the CPU), one serving a chat
+# completion behind the prewarm gate and one prewarmed as a standby; the serving one's memory
+# diverges and the standby takes its place while a client keeps sending requests. The driver is
+# e2e/harness/demo.py.
 #
-#   bash scripts/demo.sh                  # everything, then stops (about 4 minutes warm on two cores)
+#   bash scripts/demo.sh                  # everything, then stops (about 2.5 minutes warm on two cores)
 #   bash scripts/demo.sh --objects-only   # only the examples' objects, no vLLM (about 25 s warm)
 #   bash scripts/demo.sh --keep           # stays up at the end until Ctrl-C; prints the KUBECONFIG
 #
