@@ -27,6 +27,14 @@ RBAC_DENIAL = re.compile(r"forbidden: User .{0,200}? cannot ", re.IGNORECASE)
 
 
 @pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny random-weight model the real engines serve (built once, cached)."""
+    from tests.support.tiny_model import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
 def operator_metrics_port() -> int:
     """A free local port for the operator's /metrics, so tests read its counters as Prometheus would."""
     with socket.socket() as s:

@@ -37,13 +37,6 @@ ENGINE_START_TIMEOUT = 420
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    from tests.support.tiny_model import build_tiny_model
-
-    return build_tiny_model()
-
-
-@pytest.fixture(scope="module")
 def parts(
     control_plane: ControlPlane, operator: Path, prometheus_port: int, operator_metrics_port: int
 ) -> Iterator[tuple[Prometheus, Keda]]:

@@ -31,7 +31,7 @@ from e2e.conftest import REMEDIATION_BACKOFF_SECONDS, OperatorMetric
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.harness.load import Load
-from e2e.harness.operator_run import get_json, scrape, wait_for
+from e2e.harness.operator_run import get_json, live_pods, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,16 +43,8 @@ MAX_RESTARTS_PER_HOUR = 4
 """Two divergence remediations and two hung generations fit; the fifth must be held."""
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    from tests.support.tiny_model import build_tiny_model
-
-    return build_tiny_model()
-
-
 def _pods(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = get_json(cp, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={MODEL}")["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+    return live_pods(cp, ns, MODEL)
 
 
 def _gate(pod: dict[str, Any]) -> bool:

@@ -16,10 +16,11 @@ import pytest
 import yaml
 from flashmodel_operator.render import PREWARM_GATE
 
+from e2e.conftest import OperatorMetric
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.harness.load import Load
-from e2e.harness.operator_run import get_json, wait_for
+from e2e.harness.operator_run import get_json, live_pods, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +30,8 @@ SWITCH_TIMEOUT = 30
 """A gate write decided on the next poll (the e2e operator polls every 2 s), then the endpoint update."""
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    from tests.support.tiny_model import build_tiny_model
-
-    return build_tiny_model()
-
-
 def _pods(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = get_json(cp, "pods", "-n", ns, "-l", f"serving.flashmodel.io/model={MODEL}")["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+    return live_pods(cp, ns, MODEL)
 
 
 def _gate(pod: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +96,7 @@ def spare(
 
 
 def test_standby_is_prewarmed_out_of_the_service_then_serves_when_the_model_grows_and_steps_back_when_it_shrinks(
-    control_plane: ControlPlane, spare: tuple[str, EngineKubelet]
+    control_plane: ControlPlane, spare: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
     """Slow (minutes): two real engines load on two cores before the first check."""
     cp, (ns, kubelet) = control_plane, spare
@@ -125,6 +118,9 @@ def test_standby_is_prewarmed_out_of_the_service_then_serves_when_the_model_grow
     assert entries[standby]["prewarmed"] is True and entries[standby].get("standby") is True, entries
     assert entries[server].get("standby") is not True, entries
     assert "warm-up requests" in _gate(next(p for p in _pods(cp, ns) if p["metadata"]["name"] == standby))["message"]
+    gauge = {"namespace": ns, "flashmodel": MODEL}
+    assert operator_metric("flashmodel_operator_model_replicas", {**gauge, "state": "standby"}) == 1
+    assert operator_metric("flashmodel_operator_model_replicas", {**gauge, "state": "prewarmed"}) == 1
     deployment = get_json(cp, "deployment", MODEL, "-n", ns)
     assert deployment["spec"]["replicas"] == 2
 

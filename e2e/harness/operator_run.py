@@ -126,6 +126,14 @@ def get_json(cp: ControlPlane, *args: str) -> Any:
     return json.loads(cp.kubectl("get", *args, "-o", "json").stdout)
 
 
+def live_pods(cp: ControlPlane, namespace: str, model: str) -> list[dict[str, Any]]:
+    """The model's engine pods that are not on their way out."""
+    items: list[dict[str, Any]] = get_json(cp, "pods", "-n", namespace, "-l", f"serving.flashmodel.io/model={model}")[
+        "items"
+    ]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
 def wait_for(what: str, check: Any, timeout: float = 60, interval: float = 0.25) -> Any:
     """Poll `check()` until it returns something truthy; fail with `what` and the last value."""
     deadline = time.monotonic() + timeout

@@ -49,10 +49,10 @@ _failing_since: dict[tuple[str, str], float] = {}
 MODEL_REPLICAS = Gauge(
     "flashmodel_operator_model_replicas",
     "Pods of each FlashModel at the last pass: desired (spec.replicas, the autoscaler's count when it scales), "
-    "ready, prewarmed",
+    "ready, prewarmed, standby (prewarmed, held out of the Service)",
     ["namespace", "flashmodel", "state"],
 )
-REPLICA_STATES = ("desired", "ready", "prewarmed")
+REPLICA_STATES = ("desired", "ready", "prewarmed", "standby")
 
 
 def forget_model(namespace: str, name: str) -> None:
@@ -291,16 +291,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     if obs.unschedulable is not None and not was_unschedulable:
         # News once, when it starts; the scheduler's own FailedScheduling events on the pod repeat.
         cluster.event(body, "Warning", "Unschedulable", obs.unschedulable)
-    for state, value in zip(REPLICA_STATES, (desired, obs.ready_replicas, obs.prewarmed_replicas), strict=True):
+    standby = sum(1 for p in current_pods if gate_is_standby(p) and not p["metadata"].get("deletionTimestamp"))
+    counts = (desired, obs.ready_replicas, obs.prewarmed_replicas, standby)
+    for state, value in zip(REPLICA_STATES, counts, strict=True):
         MODEL_REPLICAS.labels(ns, name, state).set(value)
     new_status.update(
         {
             "replicas": obs.replicas,
             "readyReplicas": obs.ready_replicas,
             "prewarmedReplicas": obs.prewarmed_replicas,
-            "standbyReplicas": sum(
-                1 for p in current_pods if gate_is_standby(p) and not p["metadata"].get("deletionTimestamp")
-            ),
+            "standbyReplicas": standby,
             "replicasSummary": f"{obs.ready_replicas}/{fm.spec.replicas}",
             "selector": selector_string(fm),
             "servedName": fm.served_name,

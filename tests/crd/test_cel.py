@@ -304,6 +304,7 @@ def test_extra_args_cannot_override_an_enforced_flag(
         ("bad-accelerator", {"model": MODEL, "accelerator": "a100"}, 'spec.accelerator: Unsupported value: "a100"'),
         ("bad-gmu", engine(gpuMemoryUtilization=0.05), "spec.engine.gpuMemoryUtilization: Invalid value: 0.05"),
         ("bad-replicas", {"model": MODEL, "replicas": -1}, "spec.replicas: Invalid value: -1"),
+        ("many-standby", {"model": MODEL, "standbyReplicas": 5}, "spec.standbyReplicas: Invalid value: 5"),
         (
             "no-max-replicas",
             {"model": MODEL, "autoscaling": {"minReplicas": 1}},
@@ -312,7 +313,7 @@ def test_extra_args_cannot_override_an_enforced_flag(
         ("dotted.name", {"model": MODEL}, "metadata.name must be a DNS-1035 label"),
         ("x" * 64, {"model": MODEL}, "metadata.name must be a DNS-1035 label"),
     ],
-    ids=["enum", "minimum", "replicas-minimum", "required", "dotted-name", "long-name"],
+    ids=["enum", "minimum", "replicas-minimum", "standby-maximum", "required", "dotted-name", "long-name"],
 )
 def test_schema_bounds(
     control_plane: ControlPlane, namespace: str, name: str, spec: dict[str, Any], expect: str
@@ -361,6 +362,7 @@ def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace:
         "model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}, "quantization": "auto"},
         "accelerator": "t4",
         "replicas": 1,
+        "standbyReplicas": 0,
         # blockSize and dtype stay unset: their defaults depend on the accelerator (the profile's).
         "engine": {
             "image": "ghcr.io/flashmodel/engine:0.1.0",
