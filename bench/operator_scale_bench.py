@@ -183,6 +183,27 @@ def standin_counts(port: int) -> dict[str, float]:
         return counts
 
 
+def cpu_split(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the event loop's thread (the main thread: kopf, the pod polls) and of the
+    other threads (the resync's reconciles, the API calls run in threads), each user and system."""
+
+    def times(stat: Path) -> tuple[float, float]:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
+
+    (user, system), (main_user, main_system) = (
+        times(Path(f"/proc/{pid}/stat")),
+        times(Path(f"/proc/{pid}/task/{pid}/stat")),
+    )
+    return {
+        "loop_thread_user": main_user,
+        "loop_thread_system": main_system,
+        "other_threads_user": user - main_user,
+        "other_threads_system": system - main_system,
+    }
+
+
 def fault(port: int, ip: str, kind: str) -> None:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/fault?ip={ip}&kind={kind}", method="POST")
     urllib.request.urlopen(req, timeout=10).read()
@@ -280,11 +301,12 @@ def main() -> int:
                             break
                         last = now
                     row["settle_s"] = time.monotonic() - quiet_t0
-                    a0, c0, s0, load0 = (
+                    a0, c0, s0, load0, split0 = (
                         apiserver_counts(cp),
                         cpu_seconds(proc.pid),
                         standin_counts(control_port),
                         loadavg(),
+                        cpu_split(proc.pid),
                     )
                     w0 = time.monotonic()
                     spy = None
@@ -309,8 +331,12 @@ def main() -> int:
                         spy.wait(60)
                     window = time.monotonic() - w0
                     a1, c1, s1 = apiserver_counts(cp), cpu_seconds(proc.pid), standin_counts(control_port)
+                    split1 = cpu_split(proc.pid)
                     row["idle_window_s"] = round(window, 1)
                     row["idle_cpu_percent"] = round(100 * (c1 - c0) / window, 2)
+                    row["idle_cpu_percent_by_thread"] = {
+                        k: round(100 * (split1[k] - split0[k]) / window, 2) for k in split1
+                    }
                     row["rss_mib"] = round(rss_mib(proc.pid), 1)
                     delta = {k: v - a0.get(k, 0.0) for k, v in a1.items() if v - a0.get(k, 0.0) > 0}
                     ours = {k: round(v / window, 2) for k, v in delta.items() if not control_plane_only(k)}
