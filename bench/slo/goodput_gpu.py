@@ -146,6 +146,7 @@ def plan(smoke: bool) -> list[GCase]:
         GCase("eager-3b", "3b", "eager", eager, 8.0),
         GCase("t4-0.5b", "0.5b", "t4", t4, 64.0),
         GCase("defaults-0.5b", "0.5b", "defaults", [], 64.0),
+        GCase("eager-0.5b", "0.5b", "eager", eager, 8.0),
     ]
 
 

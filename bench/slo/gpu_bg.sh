@@ -17,12 +17,13 @@ shift 2
 dir=/tmp/slo-bg/$run
 # SCRIPT: the benchmark to run (bench/slo/goodput_gpu.py: the goodput comparison in a T4 envelope).
 export SCRIPT=${SCRIPT:-bench/slo/slo_gpu.py}
-export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
+# EXTRA_PYTHONPATH: what SCRIPT imports beyond vLLM (the kernel proof: "kernels:.").
+export PYTHONPATH=/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried
 
 copy_back() {
   mkdir -p "$OUT/$run"
-  cp "$dir"/driver.log "$dir"/*.md "$dir"/servers.log "$OUT/$run/" 2>/dev/null
+  cp "$dir"/driver.log "$dir"/*.md "$dir"/*.txt "$dir"/*.gz "$dir"/servers.log "$OUT/$run/" 2>/dev/null
   for f in "$dir"/*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/$run/$(basename "$f").gz"; done
   tail -n 4 "$dir/driver.log" 2>/dev/null | cut -c1-400
 }
