@@ -200,21 +200,29 @@ class Cluster:
             raise
         return result
 
-    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+    def list_with_version(
+        self, api_version: str, kind: str, namespace: str, selector: str
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The matching objects and the list's resourceVersion (the point in time it shows)."""
         result = self._call("GET", collection_path(api_version, kind, namespace), query=[("labelSelector", selector)])
         items: list[dict[str, Any]] = result.get("items", [])
-        return items
+        return items, str((result.get("metadata") or {}).get("resourceVersion", ""))
 
-    def apply(self, desired: dict[str, Any], known_absent: bool = False) -> ApplyResult:
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return self.list_with_version(api_version, kind, namespace, selector)[0]
+
+    def apply(
+        self, desired: dict[str, Any], known_absent: bool = False, live: dict[str, Any] | None = None
+    ) -> ApplyResult:
         """Server-side apply `desired` unless the live object already matches it; force only on our children.
 
         `known_absent`: the caller has reason to think the object does not exist yet (a model's first
         pass), so the read that would show it unchanged is skipped; the apply is correct either way.
+        `live`: the caller already holds the live object (from a watch), compared instead of read.
         """
         meta = desired["metadata"]
         digest = content_hash(desired)
-        live = None
-        if not known_absent:
+        if live is None and not known_absent:
             live = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         if live is not None:
             applied = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import resource
 import threading
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
 from flashmodel_operator.apply import Cluster, namespace_terminating
+from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, forget_model, reconcile, referenced_secrets
@@ -38,6 +40,9 @@ _resync_task: asyncio.Task[None] | None = None
 
 FLASHMODELS: dict[tuple[str, str], dict[str, Any]] = {}
 """Every FlashModel as the watch last delivered it: the pod watches' and the resync's view, no API reads."""
+
+CHILDREN = ChildCache()
+"""Every model's Deployment and pods as their watches last delivered them: what a child event's pass reads."""
 
 
 def cluster() -> Cluster:
@@ -113,16 +118,19 @@ def shim_session() -> aiohttp.ClientSession:
     return _shim_session
 
 
-def _reconcile_latest(namespace: str | None, name: str, fresh: dict[str, Any] | None = None) -> None:
+def _reconcile_latest(
+    namespace: str | None, name: str, fresh: dict[str, Any] | None = None, child_event: bool = False
+) -> None:
     if namespace is None:  # FlashModel is namespaced; kopf types allow None for cluster objects
         return
-    # Read the object fresh: the status this pass compares against must be the latest written.
+    # Read the object fresh: the status this pass compares against must be the latest written
+    # (also in a child event's pass, which reads the model's Deployment and pods from the watch).
     # `fresh`: the caller holds a body no pass has written to yet (a create event), which is as good.
     body = fresh if fresh is not None else cluster().get_flashmodel(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     try:
-        outcome = traced(reconcile)(cluster(), body)
+        outcome = traced(functools.partial(reconcile, watched=CHILDREN, child_event=child_event))(cluster(), body)
     except ApiException as exc:
         if namespace_terminating(exc):
             # The namespace is being deleted with the model in it; retrying would only repeat the 403.
@@ -165,7 +173,7 @@ def reconcile_for_child(namespace: str | None, name: str) -> None:
     try:
         while True:
             try:
-                _reconcile_latest(namespace, name)
+                _reconcile_latest(namespace, name, child_event=True)
             except Exception:
                 with _child_lock:
                     if key not in _child_again:
@@ -204,6 +212,7 @@ async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str,
         return
     if type == "DELETED":
         FLASHMODELS.pop((namespace, name), None)
+        CHILDREN.forget(namespace, name)
     else:
         FLASHMODELS[(namespace, name)] = copy.deepcopy(dict(body))
 
@@ -226,6 +235,7 @@ async def resync_fleet(period: float) -> None:
             # At start-up the watch has not listed the models yet: look again soon, not a period later.
             await asyncio.sleep(min(period, 5.0))
             continue
+        CHILDREN.retain(set(models))
         for namespace, name in models:
             # The pace follows the fleet as it is now: models added during a pass come in the next.
             await asyncio.sleep(period / max(1, len(FLASHMODELS)))
@@ -277,17 +287,22 @@ def _owner_name(body: kopf.Body) -> str | None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_OWNED)
-def on_deployment_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
+def on_deployment_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
     owner = _owner_name(body)
-    if owner is not None and type != "DELETED":
+    if owner is None or namespace is None:
+        return
+    # Kept before the pass, so the pass (this one, or the running one it folds into) sees it.
+    CHILDREN.deployment_event(namespace, owner, type, body)
+    if type != "DELETED":
         reconcile_for_child(namespace, owner)
 
 
 @kopf.on.event("", "v1", "pods", labels=_OWNED)
-def on_pod_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) -> None:
+def on_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
     # Pods belong to ReplicaSets; the model label names the FlashModel directly.
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
-    if model:
+    if model and namespace is not None:
+        CHILDREN.pod_event(namespace, model, type, body)
         reconcile_for_child(namespace, model)
 
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
+from flashmodel_operator.child_cache import ChildCache, PassReads
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.pod_state import gate_is_standby, gate_is_true
@@ -114,12 +115,20 @@ def preflight_refusal(
     return None
 
 
-def reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
+def reconcile(
+    cluster: Cluster, body: dict[str, Any], watched: ChildCache | None = None, child_event: bool = False
+) -> Outcome:
+    """One pass over the model `body` (read fresh by the caller).
+
+    `watched`: the Deployments and pods the operator's watches delivered; every pass adds what it
+    reads from the API. `child_event`: the pass follows an event of the model's Deployment, pods or
+    HPA, so it reads those two from `watched` where it can (see _reconcile).
+    """
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     with _locks[key]:
         try:
-            outcome = _reconcile(cluster, body)
+            outcome = _reconcile(cluster, body, watched, child_event)
         except Exception as exc:
             if transient(exc):
                 _failing_since.setdefault(key, time.monotonic())
@@ -136,7 +145,7 @@ def _still_transient(exc: Exception, key: tuple[str, str]) -> bool:
     return time.monotonic() - since < current().transient_grace_seconds
 
 
-def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
+def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | None, child_event: bool) -> Outcome:
     outcome = Outcome()
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
@@ -174,9 +183,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     template_hash = render_pod_template(fm)["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
     # A model never reconciled has no children and no pods of its own yet: its first pass writes
     # without reading first, which brings its Deployment (and so its first pod) several requests
-    # sooner. Its pods' events start the next pass, which reads everything.
+    # sooner. Its children's events start the next passes, which read them.
     first_pass = "observedGeneration" not in status
-    pods = [] if first_pass else cluster.list("v1", "Pod", ns, selector_string(fm))
+    # A pass that follows a child's event, for a generation a full pass has already applied, reads
+    # the pods and the Deployment from the watch (`watched`) and applies only the Deployment. The
+    # children nobody watches (ConfigMap, Service, PDB) and the control Secret's existence are left
+    # to the model's own events and to the resync, which read everything from the API, as do a new
+    # generation's passes (its ConfigMap must change with its Deployment).
+    from_watch = child_event and status.get("observedGeneration") == generation
+    reads = PassReads(cluster, watched, ns, name, from_watch)
+    pods = [] if first_pass else reads.pods(selector_string(fm))
 
     # A refused preflight cannot succeed on retry: hold the Deployment at 0 for this spec and
     # say why, instead of letting the pod crash-loop. A spec change or the retry annotation
@@ -215,12 +231,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
             )
 
     # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
-    control_missing = first_pass or cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
+    control_missing = first_pass or (
+        not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
+    )
     if control_missing and cluster.create(render_control_secret(fm, secrets.token_urlsafe(32))):
         log.info("event=control-secret-created model=%s/%s", ns, name)
 
     # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
     children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
+    if from_watch:
+        children = [c for c in children if c["kind"] == "Deployment"]
     if secret_missing:
         # A pod without its key would serve without authentication or crash-loop on the missing mount,
         # and one without its hub token would fail its download; the Secret's arrival triggers a pass
@@ -231,7 +251,11 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
     try:
         for child in children:
             try:
-                result = cluster.apply(child, known_absent=first_pass)
+                if from_watch and child["kind"] == "Deployment":
+                    live = reads.deployment()
+                    result = cluster.apply(child, known_absent=live is None, live=live)
+                else:
+                    result = cluster.apply(child, known_absent=first_pass)
             except Exception as exc:
                 if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
                     # A dropped connection or a 5xx the client's retries did not outlast says nothing about
@@ -261,7 +285,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any]) -> Outcome:
             cluster.event(body, "Normal", "Applied", message)
     scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
-    deployment = cluster.get("apps/v1", "Deployment", ns, name) or {}
+    # Its status after this pass's apply: read back when the apply wrote it.
+    deployment_written = outcome.applied.get(f"Deployment/{name}", "unchanged") != "unchanged"
+    deployment = reads.deployment(fresh=deployment_written or not from_watch) or {}
     dep_status = deployment.get("status") or {}
     current_pods = [
         p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash

@@ -131,7 +131,9 @@ class FlakyCluster(Cluster):
     def create(self, desired: dict[str, Any]) -> bool:
         return True
 
-    def apply(self, desired: dict[str, Any], known_absent: bool = False) -> Literal["created", "updated", "unchanged"]:
+    def apply(
+        self, desired: dict[str, Any], known_absent: bool = False, live: dict[str, Any] | None = None
+    ) -> Literal["created", "updated", "unchanged"]:
         raise ApiException(status=503, reason="Service Unavailable")
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

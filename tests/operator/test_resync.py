@@ -16,7 +16,7 @@ async def test_every_model_is_reconciled_once_per_period_spread_over_it(monkeypa
 
     passes: list[tuple[tuple[str, str], float]] = []
 
-    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None) -> None:
+    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None, child_event: bool = False) -> None:
         passes.append(((namespace, name), time.monotonic()))
 
     models = {("ns", f"m{i}"): {"metadata": {"namespace": "ns", "name": f"m{i}"}} for i in range(10)}
@@ -40,7 +40,7 @@ async def test_a_failing_pass_does_not_stop_the_others(monkeypatch: pytest.Monke
 
     seen: list[str] = []
 
-    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None) -> None:
+    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None, child_event: bool = False) -> None:
         seen.append(name)
         if name == "m0":
             raise ConnectionError("the API server went away")
@@ -60,7 +60,7 @@ def test_child_events_during_a_pass_fold_into_one_more_pass(monkeypatch: pytest.
     started, release = threading.Event(), threading.Event()
     passes: list[str] = []
 
-    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None) -> None:
+    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None, child_event: bool = False) -> None:
         passes.append(name)
         if len(passes) == 1:
             started.set()

@@ -238,7 +238,7 @@ def test_the_handlers_reconcile_sends_its_span(
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     monkeypatch.setattr(handlers, "cluster", OneModel)
-    monkeypatch.setattr(handlers, "reconcile", changed_pass)
+    monkeypatch.setattr(handlers, "reconcile", lambda cluster, body, **_: changed_pass(cluster, body))
     handlers._reconcile_latest("shop", "qwen")
     tracer = tracing.configure()
     assert tracer is not None and tracer.flush()
