@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kubernetes import client
 
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.operator_run import ROOT, running_operator
@@ -65,14 +66,22 @@ def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_
             for i in range(MODELS)
         )
         first_log, second_log = tmp_path / "operator-1.log", tmp_path / "operator-2.log"
+        api = cp.api_client()
+        apps = client.AppsV1Api(api)
         with running_operator(cp.kubeconfig, first_log) as first:
             cp.kubectl("apply", "-n", ns, "-f", "-", input=models)
             deadline = time.monotonic() + 120
-            while _deployed(cp, ns) < 5 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            # Looked for through the API client, not kubectl: a kubectl process takes longer to start
+            # than the operator takes to write all fifty Deployments.
+            while time.monotonic() < deadline:
+                listed = apps.list_namespaced_deployment(ns).items
+                if sum(1 for d in listed if d.metadata is not None and d.metadata.owner_references) >= 5:
+                    break
+                time.sleep(0.02)
             # Killed, not stopped: no handler finishes, no progress annotation is written on the way out.
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+        api.close()  # type: ignore[no-untyped-call]
         killed_at = _deployed(cp, ns)
         assert 5 <= killed_at < MODELS, f"the kill came when {killed_at} of {MODELS} models had a Deployment"
 
