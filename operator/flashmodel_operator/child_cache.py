@@ -202,8 +202,10 @@ class ChildCache:
                 if pods.deleted.get(name, -1) >= version:
                     continue  # deleted after the list was served
                 have = pods.bodies.get(name)
-                newer = have is not None and (resource_version(have) or 0) > version
-                merged[name] = have if newer and have is not None else _kept(item, _POD_PARTS)
+                if have is not None and (resource_version(have) or 0) > version:
+                    merged[name] = have  # an event newer than the list
+                else:
+                    merged[name] = _kept(item, _POD_PARTS)
             for name, have in pods.bodies.items():
                 if name not in merged and (resource_version(have) or 0) > listed:
                     merged[name] = have  # created after the list was served
