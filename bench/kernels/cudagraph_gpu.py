@@ -42,6 +42,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -502,9 +503,10 @@ def engine_section(
         tile_log = servers["tile"].log_path.read_text(errors="replace")
         result["tile_fallback_lines"] = fallback_lines(tile_log)
         # Positive evidence beside the absent fallback: vLLM's progress bar for full decode graphs.
+        # vLLM 0.26 labels the bar "(FULL)"; other versions "(decode, FULL)".
+        full_bar = re.compile(r"Capturing CUDA graphs \((decode, )?FULL\)")
         result["full_decode_graphs_captured"] = {
-            name: "Capturing CUDA graphs (decode, FULL)" in s.log_path.read_text(errors="replace")
-            for name, s in servers.items()
+            name: full_bar.search(s.log_path.read_text(errors="replace")) is not None for name, s in servers.items()
         }
         result["tile_log_lines"] = [
             line[:400]
