@@ -160,6 +160,10 @@ async def _evict_and_record(watch: PodWatch, fm: dict[str, Any], decision: Decis
     async with watch.state.lock:
         watch.state.last_remediation = time.monotonic()
         watch.state.in_flight = None
+        # Evicted: no longer a candidate. Its health record would otherwise stay until this watch
+        # ends, after the record and event below, and the model's next decision could name this
+        # pod in its hold (BackingOff) instead of the pod that is waiting.
+        watch.state.health.pop(watch.name, None)
     if outcome == "gone":
         return
     REMEDIATIONS.labels(reason=decision.reason).inc()

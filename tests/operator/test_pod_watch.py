@@ -12,12 +12,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from flashmodel_operator.apply import Cluster
-from flashmodel_operator.eviction import REMEDIATIONS, evict_and_record
+from flashmodel_operator.eviction import REMEDIATIONS, decide, evict_and_record
 from flashmodel_operator.gating import PodWatch
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.model_status import history_length, restarts_last_hour
 from flashmodel_operator.prewarm_gate import PREWARM_ATTEMPTS, prewarm
-from flashmodel_operator.remediation import Decision
+from flashmodel_operator.remediation import Decision, PodHealth
 from flashmodel_operator.render import PREWARM_GATE
 from flashmodel_operator.settings import OperatorSettings, use
 from flashmodel_operator.shim_client import ShimClient
@@ -182,6 +182,32 @@ async def test_a_recorded_eviction_keeps_the_whole_hour_the_budget_counts() -> N
         await evict_and_record(watch, cluster.fm, Decision("evict", "GenerationHung", "qwen-x", "hung"))
     assert len(cluster.fm["status"]["remediations"]) == 13
     assert restarts_last_hour(cluster.fm, dt.datetime.now(dt.UTC)) == 13
+
+
+async def test_an_evicted_pod_is_no_candidate_for_the_models_next_decision() -> None:
+    # Two hung pods: once the first is evicted, the hold the second gets must name the second.
+    cluster = BudgetCluster(budget=20, history=[], namespace="ns-evicted")
+    spec = FlashModelSpec.model_validate(cluster.fm["spec"])
+    hung_since = time.monotonic() - 3600
+    async with aiohttp.ClientSession() as session:
+        first = PodWatch(cluster, session, "ns-evicted", "qwen-a", "qwen")
+        second = PodWatch(cluster, session, "ns-evicted", "qwen-b", "qwen")  # the model's state is shared
+        for name in ("qwen-a", "qwen-b"):
+            first.state.health[name] = PodHealth(
+                name=name,
+                prewarmed=True,
+                livez_ok=True,
+                divergence_recommended=False,
+                divergence_ratio=0.0,
+                divergent_since=None,
+                readyz_failing_since=hung_since,
+                endpoint_ready=False,
+            )
+        await evict_and_record(first, cluster.fm, Decision("evict", "GenerationHung", "qwen-a", "hung"))
+        assert "qwen-a" not in first.state.health
+        await decide(second, cluster.fm, spec, time.monotonic())  # within the back-off (60 s by default)
+    held = [m for reason, m in cluster.events if reason == "RemediationHeld"]
+    assert held and held[-1].startswith("pod qwen-b: BackingOff"), held
 
 
 async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_one_at_a_time() -> None:
