@@ -10,7 +10,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import urllib3
 from kubernetes import client as k8s
@@ -108,11 +108,25 @@ def contains(live: Any, desired: Any) -> bool:
     return str(live) == str(desired)
 
 
-class Cluster:
-    """A thin typed front to the API server; counts every write it sends."""
+class ModelRecorder(Protocol):
+    """Where the FlashModels the operator reads and writes go (watched_models.WatchedModels)."""
 
-    def __init__(self, api: k8s.ApiClient) -> None:
+    @property
+    def listings(self) -> int: ...
+
+    def record(self, body: dict[str, Any], listings: int) -> None: ...
+
+
+class Cluster:
+    """A thin typed front to the API server; counts every write it sends.
+
+    `models`: every FlashModel it reads and every status it writes (the server's answer) is given to
+    it, so a pass that takes its model from there sees what any earlier pass saw.
+    """
+
+    def __init__(self, api: k8s.ApiClient, models: ModelRecorder | None = None) -> None:
         self.api = api
+        self.models = models
         self.writes = 0
         self._lock = threading.Lock()
 
@@ -327,11 +341,22 @@ class Cluster:
         return "evicted"
 
     def get_flashmodel(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.get(f"{GROUP}/{VERSION}", KIND, namespace, name)
+        listings = self.models.listings if self.models is not None else 0
+        body = self.get(f"{GROUP}/{VERSION}", KIND, namespace, name)
+        if body is not None and self.models is not None:
+            self.models.record(body, listings)
+        return body
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge `status` into the model's; the model as the server stored it."""
+        listings = self.models.listings if self.models is not None else 0
         path = f"{collection_path(f'{GROUP}/{VERSION}', KIND, namespace)}/{name}/status"
-        self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json", kind=KIND)
+        body: dict[str, Any] | None = self._call(
+            "PATCH", path, body={"status": status}, content_type="application/merge-patch+json", kind=KIND
+        )
+        if body is not None and self.models is not None:
+            self.models.record(body, listings)
+        return body
 
     def event(self, involved: dict[str, Any], type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
         """Record a core/v1 Event on `involved` (a FlashModel or a Pod)."""

@@ -23,9 +23,16 @@ from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
-from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, forget_model, reconcile, referenced_secrets
+from flashmodel_operator.reconcile import (
+    SECRET_WAIT_REASONS,
+    forget_model,
+    model_lock,
+    reconcile,
+    referenced_secrets,
+)
 from flashmodel_operator.settings import current
 from flashmodel_operator.tracing import traced
+from flashmodel_operator.watched_models import WatchedModels
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +45,9 @@ _cluster: Cluster | None = None
 _shim_session: aiohttp.ClientSession | None = None
 _resync_task: asyncio.Task[None] | None = None
 
-FLASHMODELS: dict[tuple[str, str], dict[str, Any]] = {}
-"""Every FlashModel as the watch last delivered it: the pod watches' and the resync's view, no API reads."""
+FLASHMODELS = WatchedModels()
+"""Every FlashModel as the operator last saw it (its watch, its reads, its status writes): what a child
+event's pass, the pod watches and the resync read, instead of the API server."""
 
 CHILDREN = ChildCache()
 """Every model's Deployment and pods as their watches last delivered them: what a child event's pass reads."""
@@ -56,7 +64,7 @@ def cluster() -> Cluster:
         configuration = k8s.Configuration.get_default_copy()
         # Sync handlers run in kopf's thread pool; give each worker a pooled connection.
         configuration.connection_pool_maxsize = 32
-        _cluster = Cluster(k8s.ApiClient(configuration))
+        _cluster = Cluster(k8s.ApiClient(configuration), models=FLASHMODELS)
     return _cluster
 
 
@@ -123,20 +131,28 @@ def _reconcile_latest(
 ) -> None:
     if namespace is None:  # FlashModel is namespaced; kopf types allow None for cluster objects
         return
-    # Read the object fresh: the status this pass compares against must be the latest written
-    # (also in a child event's pass, which reads the model's Deployment and pods from the watch).
-    # `fresh`: the caller holds a body no pass has written to yet (a create event), which is as good.
-    body = fresh if fresh is not None else cluster().get_flashmodel(namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return
-    try:
-        outcome = traced(functools.partial(reconcile, watched=CHILDREN, child_event=child_event))(cluster(), body)
-    except ApiException as exc:
-        if namespace_terminating(exc):
-            # The namespace is being deleted with the model in it; retrying would only repeat the 403.
-            log.info("event=skipped model=%s/%s reason=NamespaceTerminating", namespace, name)
+    # The model is taken under its lock, so it is no older than what the pass before this one read
+    # and wrote (the status this pass compares against must be the latest written).
+    with model_lock(namespace, name):
+        body = fresh
+        if body is None and child_event and not _model_unsure(namespace, name):
+            # The newest body the operator has seen (its watch, its reads, its status writes): a pass
+            # after a child's event needs no read of its own. A spec change goes through the model's
+            # own events, whose passes read the API.
+            body = FLASHMODELS.latest(namespace, name)
+        if body is None:
+            # `fresh`: the caller holds a body no pass has written to yet (a create event), as good as a read.
+            body = cluster().get_flashmodel(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
             return
-        raise
+        try:
+            outcome = traced(functools.partial(reconcile, watched=CHILDREN, child_event=child_event))(cluster(), body)
+        except ApiException as exc:
+            if namespace_terminating(exc):
+                # The namespace is being deleted with the model in it; retrying would only repeat the 403.
+                log.info("event=skipped model=%s/%s reason=NamespaceTerminating", namespace, name)
+                return
+            raise
     changed = {k: v for k, v in outcome.applied.items() if v != "unchanged"}
     if changed or outcome.status_written:
         log.info(
@@ -152,6 +168,27 @@ def _reconcile_latest(
 _child_lock = threading.Lock()
 _child_running: set[tuple[str, str]] = set()
 _child_again: set[tuple[str, str]] = set()
+_child_unsure: set[tuple[str, str]] = set()
+"""Models whose next child pass reads the model from the API: one of their children is going away."""
+
+
+def _model_unsure(namespace: str, name: str) -> bool:
+    """True once after a child's deletion: the model's own deletion may be what caused it.
+
+    The garbage collector deletes a deleted model's children, and their events may come before the
+    model's own DELETED event: a pass on the watched body would apply the Deployment of a model
+    that is gone. A child going away is rare otherwise (a rollout, an eviction), so its pass reads.
+    """
+    with _child_lock:
+        unsure = (namespace, name) in _child_unsure
+        _child_unsure.discard((namespace, name))
+        return unsure
+
+
+def _child_going(namespace: str, name: str, event_type: str | None, body: kopf.Body) -> None:
+    if event_type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+        with _child_lock:
+            _child_unsure.add((namespace, name))
 
 
 def reconcile_for_child(namespace: str | None, name: str) -> None:
@@ -210,15 +247,15 @@ def on_flashmodel_deleted(namespace: str | None, name: str, **_: Any) -> None:
 async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
     if namespace is None:
         return
+    FLASHMODELS.event(type, body)
     if type == "DELETED":
-        FLASHMODELS.pop((namespace, name), None)
         CHILDREN.forget(namespace, name)
-    else:
-        FLASHMODELS[(namespace, name)] = copy.deepcopy(dict(body))
+        with _child_lock:
+            _child_unsure.discard((namespace, name))
 
 
 def cached_flashmodel(namespace: str, name: str) -> dict[str, Any] | None:
-    return FLASHMODELS.get((namespace, name))
+    return FLASHMODELS.get(namespace, name)
 
 
 async def resync_fleet(period: float) -> None:
@@ -236,6 +273,8 @@ async def resync_fleet(period: float) -> None:
             await asyncio.sleep(min(period, 5.0))
             continue
         CHILDREN.retain(set(models))
+        with _child_lock:
+            _child_unsure.intersection_update(models)  # the children's DELETED events after their model's
         for namespace, name in models:
             # The pace follows the fleet as it is now: models added during a pass come in the next.
             await asyncio.sleep(period / max(1, len(FLASHMODELS)))
@@ -293,6 +332,7 @@ def on_deployment_event(body: kopf.Body, namespace: str | None, type: str | None
         return
     # Kept before the pass, so the pass (this one, or the running one it folds into) sees it.
     CHILDREN.deployment_event(namespace, owner, type, body)
+    _child_going(namespace, owner, type, body)
     if type != "DELETED":
         reconcile_for_child(namespace, owner)
 
@@ -303,6 +343,7 @@ def on_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: 
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model and namespace is not None:
         CHILDREN.pod_event(namespace, model, type, body)
+        _child_going(namespace, model, type, body)
         reconcile_for_child(namespace, model)
 
 

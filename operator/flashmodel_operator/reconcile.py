@@ -45,7 +45,8 @@ RETRY_ANNOTATION = f"{GROUP}/retry"
 """Change this annotation's value to retry a model whose preflight was refused, without a spec change."""
 
 # One pass per FlashModel at a time: the timer, spec changes and child events all reconcile.
-_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+# Reentrant: the caller takes it to read the model it passes in (model_lock), reconcile again.
+_locks: defaultdict[tuple[str, str], threading.RLock] = defaultdict(threading.RLock)
 _failing_since: dict[tuple[str, str], float] = {}
 MODEL_REPLICAS = Gauge(
     "flashmodel_operator_model_replicas",
@@ -54,6 +55,11 @@ MODEL_REPLICAS = Gauge(
     ["namespace", "flashmodel", "state"],
 )
 REPLICA_STATES = ("desired", "ready", "prewarmed", "standby")
+
+
+def model_lock(namespace: str, name: str) -> threading.RLock:
+    """The lock of the model's passes: a body read while holding it is not older than the last pass's."""
+    return _locks[(namespace, name)]
 
 
 def forget_model(namespace: str, name: str) -> None:

@@ -7,10 +7,11 @@ pass act on a child it has not seen or on an older one than a pass already wrote
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, cast
 
 import kopf
@@ -19,6 +20,7 @@ from flashmodel_operator.apply import Cluster
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, MODEL_LABEL, PREWARM_GATE
 from flashmodel_operator.standby_gate import current_template
+from flashmodel_operator.watched_models import WatchedModels
 from kubernetes.client.exceptions import ApiException
 
 from tests.operator.specs import MINIMAL_T4
@@ -114,8 +116,10 @@ def api(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemoryAPI]:
     from flashmodel_operator import handlers
 
     server = InMemoryAPI()
+    server.models = WatchedModels()  # as handlers.cluster() makes it: every read and status write goes in
     monkeypatch.setattr(handlers, "_cluster", server)
     monkeypatch.setattr(handlers, "CHILDREN", ChildCache())
+    monkeypatch.setattr(handlers, "FLASHMODELS", server.models)
     yield server
 
 
@@ -181,6 +185,22 @@ def _deployment_event(event_type: str | None, body: dict[str, Any]) -> None:
     handler(body=kopf.Body(cast(kopf.RawBody, body)), namespace=body["metadata"]["namespace"], type=event_type)
 
 
+def _model_event(event_type: str | None, body: dict[str, Any]) -> None:
+    """kopf delivering a FlashModel's watch event to the operator's handler."""
+    from flashmodel_operator import handlers
+
+    handler = cast(Callable[..., Coroutine[Any, Any, None]], handlers.remember_flashmodel)
+    meta = body["metadata"]
+    asyncio.run(
+        handler(
+            body=kopf.Body(cast(kopf.RawBody, copy.deepcopy(body))),
+            namespace=meta["namespace"],
+            name=meta["name"],
+            type=event_type,
+        )
+    )
+
+
 def _status(api: InMemoryAPI, ns: str, name: str) -> dict[str, Any]:
     status: dict[str, Any] = api.objects[_FM_PATH.format(ns=ns, name=name)]["status"]
     return status
@@ -190,7 +210,7 @@ def _reads(requests: list[str]) -> list[str]:
     return [r for r in requests if r.startswith(("GET", "LIST"))]
 
 
-def test_a_child_event_pass_reads_the_model_and_nothing_else_once_the_cache_has_its_children(
+def test_a_child_event_pass_reads_nothing_once_the_operator_has_seen_the_model_and_its_children(
     api: InMemoryAPI,
 ) -> None:
     from flashmodel_operator import handlers
@@ -207,19 +227,23 @@ def test_a_child_event_pass_reads_the_model_and_nothing_else_once_the_cache_has_
         "GET secrets", "GET services", "LIST pods",
     ]
 
-    # A pod event: the model is read fresh, its pods and Deployment come from the watch.
+    # A pod event: the model is the one the last pass read, its pods and Deployment come from the watch.
     api.requests.clear()
     pod = _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True)
     _pod_event("MODIFIED", pod)
-    assert _reads(api.requests) == ["GET flashmodels"]
-    assert api.requests == ["GET flashmodels", "PATCH flashmodels/status"]
+    assert api.requests == ["PATCH flashmodels/status"]
     assert _status(api, ns, name)["prewarmedReplicas"] == 1
 
-    # A Deployment event: the same, and its status comes from the event's body.
+    # A Deployment event: the model as that status write left it, its status from the event's body.
     api.requests.clear()
     _deployment_event("MODIFIED", _controller_writes_status(api, ns, name, ready=1))
-    assert api.requests == ["GET flashmodels", "PATCH flashmodels/status"]
+    assert api.requests == ["PATCH flashmodels/status"]
     assert _status(api, ns, name)["readyReplicas"] == 1
+
+    # The pass compared against the status it wrote last, not an older one: nothing new, nothing sent.
+    api.requests.clear()
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    assert api.requests == []
 
 
 def test_a_child_the_watch_has_not_shown_whole_is_read_from_the_api(
@@ -232,15 +256,17 @@ def test_a_child_the_watch_has_not_shown_whole_is_read_from_the_api(
     ns, name = _new_model(api)
     _controller_writes_status(api, ns, name, ready=1)
     monkeypatch.setattr(handlers, "CHILDREN", ChildCache())  # a new operator process
+    api.models = WatchedModels()
+    monkeypatch.setattr(handlers, "FLASHMODELS", api.models)
     api.requests.clear()
     _pod_event(None, _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
     assert _reads(api.requests) == ["GET flashmodels", "LIST pods", "GET deployments"]
     assert _status(api, ns, name)["readyReplicas"] == 1
 
-    # Both were read since the listing: the next event's pass reads neither.
+    # All three were read since the listing: the next event's pass reads none.
     api.requests.clear()
     _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=False))
-    assert _reads(api.requests) == ["GET flashmodels"]
+    assert _reads(api.requests) == []
     assert _status(api, ns, name)["prewarmedReplicas"] == 0
 
     # kopf lists the Deployments again (its watch expired): a deletion in between sent no event,
@@ -249,14 +275,24 @@ def test_a_child_the_watch_has_not_shown_whole_is_read_from_the_api(
     handlers.CHILDREN.deployment_event("elsewhere", "other", None, other)
     api.requests.clear()
     _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
-    assert _reads(api.requests) == ["GET flashmodels", "GET deployments"]
+    assert _reads(api.requests) == ["GET deployments"]
 
     # And the pods again: the next pass lists them.
     handlers.CHILDREN.pod_event("elsewhere", "other", None, _pod("x", api.version + 1))
     api.requests.clear()
     _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=False))
-    assert _reads(api.requests) == ["GET flashmodels", "LIST pods"]
+    assert _reads(api.requests) == ["LIST pods"]
     assert _status(api, ns, name)["prewarmedReplicas"] == 0
+
+    # And the models: one deleted while the watch was away sent no DELETED event, so the next pass
+    # reads the model, once.
+    _model_event(None, {"metadata": {"namespace": "elsewhere", "name": "other", "resourceVersion": "1"}})
+    api.requests.clear()
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    assert _reads(api.requests) == ["GET flashmodels"]
+    api.requests.clear()
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=False))
+    assert _reads(api.requests) == []
 
 
 def test_a_deleted_deployment_is_recreated_not_taken_as_unchanged(api: InMemoryAPI) -> None:
@@ -290,7 +326,7 @@ def test_a_deployment_the_pass_corrected_is_read_back_for_its_status(api: InMemo
     api.requests.clear()
     _deployment_event("MODIFIED", api.store(_deployment_path(ns, name), edited))
     assert "PATCH deployments" in api.requests
-    assert _reads(api.requests) == ["GET flashmodels", "GET deployments"], "compared with the watched body, read back"
+    assert _reads(api.requests) == ["GET deployments"], "compared with the watched body, read back"
     progressing = next(c for c in _status(api, ns, name)["conditions"] if c["type"] == "Progressing")
     assert (progressing["status"], progressing["reason"]) == ("True", "RollingOut")
 
@@ -308,24 +344,100 @@ def test_a_late_watch_event_never_takes_the_status_back(api: InMemoryAPI) -> Non
     assert _status(api, ns, name)["readyReplicas"] == 1
     api.requests.clear()
     _deployment_event("MODIFIED", older)
-    assert api.requests == ["GET flashmodels"], "the cache kept the newer Deployment: nothing to write"
+    assert api.requests == [], "the cache kept the newer Deployment: nothing to write"
     assert _status(api, ns, name)["readyReplicas"] == 1
 
 
-def test_a_new_generation_is_applied_whole_even_from_a_child_event(api: InMemoryAPI) -> None:
-    # The engine config (ConfigMap) must change together with the pod template.
+def _new_spec(api: InMemoryAPI, ns: str, name: str, max_model_len: int) -> dict[str, Any]:
+    """A user's spec change: a new generation on the API server, not yet seen by the operator."""
+    fm = copy.deepcopy(api.objects[_FM_PATH.format(ns=ns, name=name)])
+    fm["spec"]["engine"] = {"maxModelLen": max_model_len}
+    fm["metadata"]["generation"] = int(fm["metadata"].get("generation", 1)) + 1
+    return api.store(_FM_PATH.format(ns=ns, name=name), fm)
 
+
+def _engine_config(api: InMemoryAPI, ns: str, name: str) -> str:
+    return json.dumps(api.objects[f"/api/v1/namespaces/{ns}/configmaps/{name}-engine"]["data"])
+
+
+def _template_of_deployment(api: InMemoryAPI, ns: str, name: str) -> str:
+    template = api.objects[_deployment_path(ns, name)]["spec"]["template"]
+    return str(template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION])
+
+
+def test_a_spec_change_the_watch_delivered_is_applied_whole_by_a_child_event_pass(api: InMemoryAPI) -> None:
+    # The engine config (ConfigMap) must change together with the pod template, even when a child's
+    # event is the first to start a pass after the change.
     ns, name = _new_model(api)
     _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=1))
-    fm = api.objects[_FM_PATH.format(ns=ns, name=name)]
-    fm["spec"]["engine"] = {"maxModelLen": 1024}
-    fm["metadata"]["generation"] = 2
-    api.store(_FM_PATH.format(ns=ns, name=name), fm)
+    _model_event("MODIFIED", _new_spec(api, ns, name, 1024))
     api.requests.clear()
     _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
     assert "PATCH configmaps" in api.requests and "PATCH deployments" in api.requests
-    config = api.objects[f"/api/v1/namespaces/{ns}/configmaps/{name}-engine"]
-    assert "1024" in json.dumps(config["data"])
+    assert "GET flashmodels" not in api.requests, "the watch's body is the newest the operator has seen"
+    assert "1024" in _engine_config(api, ns, name)
+    assert _status(api, ns, name)["observedGeneration"] == 2
+
+
+def test_a_child_event_pass_never_takes_back_a_spec_another_pass_read(api: InMemoryAPI) -> None:
+    # The model's update pass read generation 2 from the API and applied it; the watch's event of
+    # generation 1 comes late. A pod event's pass must act on generation 2, not put 1 back.
+    from flashmodel_operator import handlers
+
+    ns, name = _new_model(api)
+    _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=1))
+    old = copy.deepcopy(api.objects[_FM_PATH.format(ns=ns, name=name)])
+    new = _new_spec(api, ns, name, 1024)
+    handlers._reconcile_latest(ns, name)
+    applied = _template_of_deployment(api, ns, name)
+    assert applied == current_template(new) != current_template(old)
+    _model_event("MODIFIED", old)
+    api.requests.clear()
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    assert "PATCH deployments" not in api.requests and "PATCH configmaps" not in api.requests
+    assert _template_of_deployment(api, ns, name) == applied
+    assert "1024" in _engine_config(api, ns, name)
+    assert _status(api, ns, name)["observedGeneration"] == 2
+
+
+def test_a_spec_change_is_not_missed_when_a_child_event_comes_before_its_own(api: InMemoryAPI) -> None:
+    # A pod event's pass runs before the model's watch event of a new spec has arrived: it acts on
+    # the spec the operator has seen (as if it had run a moment earlier), and the change's own event
+    # then applies the new one, whole.
+    from flashmodel_operator import handlers
+
+    ns, name = _new_model(api)
+    _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=1))
+    before = _template_of_deployment(api, ns, name)
+    changed = _new_spec(api, ns, name, 1024)
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    assert _template_of_deployment(api, ns, name) == before
+    _model_event("MODIFIED", changed)
+    update = cast(Callable[..., None], handlers.on_flashmodel_change)
+    update(namespace=ns, name=name, body=kopf.Body(cast(kopf.RawBody, changed)), reason="update", retry=0)
+    assert _template_of_deployment(api, ns, name) == current_template(changed) != before
+    assert "1024" in _engine_config(api, ns, name)
+    assert _status(api, ns, name)["observedGeneration"] == 2
+
+
+def test_a_child_going_away_makes_the_pass_read_the_model(api: InMemoryAPI) -> None:
+    # The model was deleted; the garbage collector deletes its children, whose events may come
+    # before the model's own DELETED event. The pass reads the model and finds it gone: no
+    # Deployment made again for a model that no longer exists, no status written to it.
+    ns, name = _new_model(api)
+    _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=1))
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    pod = _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True)
+    del api.objects[_FM_PATH.format(ns=ns, name=name)]
+    deployment = api.objects.pop(_deployment_path(ns, name))
+    deployment["metadata"]["resourceVersion"] = str(api.version + 1)
+    _deployment_event("DELETED", deployment)
+    pod["metadata"]["deletionTimestamp"] = "2026-12-06T00:00:00Z"
+    pod["metadata"]["resourceVersion"] = str(api.version + 2)
+    api.requests.clear()
+    _pod_event("MODIFIED", pod)
+    assert api.requests == ["GET flashmodels"]
+    assert _deployment_path(ns, name) not in api.objects
 
 
 # -- the cache on its own ---------------------------------------------------------------------------
