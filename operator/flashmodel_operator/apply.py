@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import urllib3
@@ -226,13 +227,21 @@ class Cluster:
         return self.list_with_version(api_version, kind, namespace, selector)[0]
 
     def apply(
-        self, desired: dict[str, Any], known_absent: bool = False, live: dict[str, Any] | None = None
+        self,
+        desired: dict[str, Any],
+        known_absent: bool = False,
+        live: dict[str, Any] | None = None,
+        spec_matched: bool = False,
+        matched: Callable[[dict[str, Any], str], None] | None = None,
     ) -> ApplyResult:
         """Server-side apply `desired` unless the live object already matches it; force only on our children.
 
         `known_absent`: the caller has reason to think the object does not exist yet (a model's first
         pass), so the read that would show it unchanged is skipped; the apply is correct either way.
         `live`: the caller already holds the live object (from a watch), compared instead of read.
+        `spec_matched`: the caller vouches that live's spec, which it may leave out, holds desired's (a
+        whole compare matched it at live's generation). `matched`: told of each whole live object found
+        to hold `desired` (compared, or the server's answer to the apply), with desired's digest.
         """
         meta = desired["metadata"]
         digest = content_hash(desired)
@@ -240,14 +249,17 @@ class Cluster:
             live = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         if live is not None:
             applied = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)
-            if applied == digest and contains(live, desired):
+            compared = {k: v for k, v in desired.items() if k != "spec"} if spec_matched else desired
+            if applied == digest and contains(live, compared):
+                if matched is not None and not spec_matched:
+                    matched(live, digest)
                 return "unchanged"
         body = {
             **desired,
             "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}},
         }
         path = f"{collection_path(desired['apiVersion'], desired['kind'], meta['namespace'])}/{meta['name']}"
-        status, _ = self._send(
+        status, answer = self._send(
             "PATCH",
             path,
             body=body,
@@ -255,6 +267,8 @@ class Cluster:
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
+        if matched is not None and isinstance(answer, dict) and contains(answer, desired):
+            matched(answer, digest)  # a mutating webhook may have changed it: only what holds desired counts
         # The API server answers an apply that made the object with 201 Created.
         return "created" if status == 201 else "updated"
 

@@ -26,17 +26,60 @@ def resource_version(body: Mapping[str, Any]) -> int | None:
         return None
 
 
-def _kept(body: Mapping[str, Any], parts: tuple[str, ...]) -> dict[str, Any]:
-    """A private copy of the parts a pass reads; managedFields (a third of a body) never are."""
-    kept = {k: copy.deepcopy(body[k]) for k in parts if k in body}
-    kept["metadata"] = {k: copy.deepcopy(v) for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
-    return kept
+_POD_METADATA = ("name", "namespace", "resourceVersion", "annotations", "deletionTimestamp")
+"""What a pass reads off a pod's metadata: its name, its config hash (an annotation), whether it is going."""
+_POD_CONDITION = ("type", "status", "reason", "message")
+"""Of each condition: the readiness gate's state and who set it, the scheduler's word on a Pending pod."""
 
 
-_POD_PARTS = ("metadata", "status")
-"""What a pass reads off a pod: its config hash, gates, phase and container states; not the spec."""
-_DEPLOYMENT_PARTS = ("apiVersion", "kind", "metadata", "spec", "status")
-"""All of it but managedFields: the apply compares the spec, the status gives the replica counts."""
+def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A private copy of what a pass reads off a pod (reconcile: preflight_refusal, unschedulable, the gates).
+
+    Not the spec, managedFields, owners, IPs, images, timestamps: a kept pod is about a tenth of the
+    object. A container's state is kept only where it terminated (the preflight's exit code and message).
+    """
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    view_status: dict[str, Any] = {}
+    if "phase" in status:
+        view_status["phase"] = status["phase"]
+    if status.get("conditions"):
+        view_status["conditions"] = [{k: c[k] for k in _POD_CONDITION if k in c} for c in status["conditions"]]
+    containers = []
+    for container in status.get("containerStatuses") or []:
+        states = {
+            when: {"terminated": copy.deepcopy(container[when]["terminated"])}
+            for when in ("state", "lastState")
+            if (container.get(when) or {}).get("terminated")
+        }
+        containers.append({"name": container.get("name"), **states})
+    if containers:
+        view_status["containerStatuses"] = containers
+    view = {"metadata": {k: copy.deepcopy(meta[k]) for k in _POD_METADATA if k in meta}}
+    if view_status:
+        view["status"] = view_status
+    return view
+
+
+_DEPLOYMENT_METADATA = (
+    "name", "namespace", "uid", "resourceVersion", "generation", "labels", "annotations", "ownerReferences"
+)
+"""What the apply compares besides the spec (labels, annotations with the applied digest, the owner),
+and the generation and uid that say which spec the object has."""
+
+
+def deployment_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A private copy of a Deployment without its spec (most of the object) and managedFields.
+
+    The apply compares the spec only where a whole compare has not already matched it at this
+    generation (ChildCache.spec_matched); the status gives the replica counts.
+    """
+    meta = body.get("metadata") or {}
+    view = {k: body[k] for k in ("apiVersion", "kind") if k in body}
+    view["metadata"] = {k: copy.deepcopy(meta[k]) for k in _DEPLOYMENT_METADATA if k in meta}
+    if "status" in body:
+        view["status"] = copy.deepcopy(body["status"])
+    return view
 
 
 @dataclass
@@ -81,6 +124,8 @@ class ChildCache:
         self._deployment_listings = 0
         self._pods: dict[ModelKey, _ModelPods] = {}
         self._pod_listings = 0
+        self._spec_matched: dict[ModelKey, tuple[str, int, str]] = {}
+        """(uid, generation, digest): the Deployment whose whole spec was last found to hold the desired one."""
 
     # -- the watch's events ------------------------------------------------------------------------
 
@@ -124,7 +169,7 @@ class ChildCache:
                 return  # an event older than a list that no longer had the pod: it is gone
             if pods.deleted.get(name, -1) >= version:
                 return
-            pods.bodies[name] = _kept(body, _POD_PARTS)
+            pods.bodies[name] = pod_view(body)
 
     def forget(self, namespace: str, model: str) -> None:
         """The model is deleted: its children go with it."""
@@ -134,6 +179,7 @@ class ChildCache:
             self._deployment_seen.pop(key, None)
             self._deployment_deleted.pop(key, None)
             self._pods.pop(key, None)
+            self._spec_matched.pop(key, None)
 
     def retain(self, models: set[ModelKey]) -> None:
         """Drop every model but these: a child's DELETED event that came after its model's leaves an entry.
@@ -141,7 +187,9 @@ class ChildCache:
         Always safe: what the cache no longer holds, a pass reads from the API.
         """
         with self._lock:
-            for entries in (self._deployments, self._deployment_seen, self._deployment_deleted, self._pods):
+            for entries in (
+                self._deployments, self._deployment_seen, self._deployment_deleted, self._pods, self._spec_matched
+            ):
                 for key in [k for k in entries if k not in models]:
                     del entries[key]
 
@@ -168,6 +216,22 @@ class ChildCache:
             if pods is None or pods.listing != self._pod_listings:
                 return None
             return list(pods.bodies.values())
+
+    def spec_matched(self, namespace: str, model: str, body: Mapping[str, Any], digest: str) -> bool:
+        """True where a whole compare found this Deployment's spec (its uid, its generation) holding `digest`'s.
+
+        Anyone's change to a Deployment's spec makes a new generation, so a kept body of the same
+        generation has the spec that was compared.
+        """
+        with self._lock:
+            return self._spec_matched.get((namespace, model)) == (*_identity(body), digest)
+
+    def record_spec_match(self, namespace: str, model: str, body: Mapping[str, Any], digest: str) -> None:
+        """A whole Deployment (read, or the server's answer to an apply) was found to hold the desired one."""
+        if (body.get("metadata") or {}).get("generation") is None:
+            return
+        with self._lock:
+            self._spec_matched[(namespace, model)] = (*_identity(body), digest)
 
     def record_deployment(self, namespace: str, model: str, body: dict[str, Any] | None, listings: int) -> None:
         """A pass read the Deployment from the API (`listings`: the Deployment listings before it asked)."""
@@ -205,7 +269,7 @@ class ChildCache:
                 if have is not None and (resource_version(have) or 0) > version:
                     merged[name] = have  # an event newer than the list
                 else:
-                    merged[name] = _kept(item, _POD_PARTS)
+                    merged[name] = pod_view(item)
             for name, have in pods.bodies.items():
                 if name not in merged and (resource_version(have) or 0) > listed:
                     merged[name] = have  # created after the list was served
@@ -217,8 +281,13 @@ class ChildCache:
     def _keep_deployment(self, key: ModelKey, body: Mapping[str, Any], version: int) -> None:
         have = self._deployments.get(key)
         if have is None or (resource_version(have) or 0) < version:
-            self._deployments[key] = _kept(body, _DEPLOYMENT_PARTS)
+            self._deployments[key] = deployment_view(body)
             self._deployment_deleted.pop(key, None)
+
+
+def _identity(body: Mapping[str, Any]) -> tuple[str, int]:
+    meta = body.get("metadata") or {}
+    return str(meta.get("uid")), int(meta.get("generation") or 0)
 
 
 @dataclass
@@ -247,6 +316,24 @@ class PassReads:
         if self.cache is not None:
             self.cache.record_pods(self.namespace, self.name, items, version, listings)
         return items
+
+    def deployment_to_apply(self, digest: str) -> tuple[dict[str, Any] | None, bool]:
+        """The live Deployment to compare with the desired one of `digest`, and whether its spec is vouched for.
+
+        A watched body has no spec: it counts as matching where a whole compare matched this digest at
+        the body's generation; otherwise the Deployment is read whole.
+        """
+        live = self.deployment()
+        if live is None or "spec" in live:
+            return live, False
+        if self.cache is not None and self.cache.spec_matched(self.namespace, self.name, live, digest):
+            return live, True
+        return self.deployment(fresh=True), False
+
+    def spec_match(self, live: dict[str, Any], digest: str) -> None:
+        """Cluster.apply found `live` (whole) holding the desired Deployment of `digest`."""
+        if self.cache is not None:
+            self.cache.record_spec_match(self.namespace, self.name, live, digest)
 
     def deployment(self, fresh: bool = False) -> dict[str, Any] | None:
         """The Deployment; `fresh` reads the API (after this pass wrote it, or for a full pass's status)."""

@@ -27,6 +27,7 @@ from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.pod_state import gate_is_standby, gate_is_true
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
+    content_hash,
     control_secret_name,
     engine_config,
     pod_template_problems,
@@ -257,11 +258,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     try:
         for child in children:
             try:
+                # Every whole compare of the Deployment is remembered (reads.spec_match), so a pass from
+                # the watch, which keeps no spec, compares the spec only after someone changed it.
+                matched = reads.spec_match if child["kind"] == "Deployment" else None
                 if from_watch and child["kind"] == "Deployment":
-                    live = reads.deployment()
-                    result = cluster.apply(child, known_absent=live is None, live=live)
+                    live, spec_matched = reads.deployment_to_apply(content_hash(child))
+                    result = cluster.apply(
+                        child, known_absent=live is None, live=live, spec_matched=spec_matched, matched=matched
+                    )
                 else:
-                    result = cluster.apply(child, known_absent=first_pass)
+                    result = cluster.apply(child, known_absent=first_pass, matched=matched)
             except Exception as exc:
                 if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
                     # A dropped connection or a 5xx the client's retries did not outlast says nothing about

@@ -326,7 +326,9 @@ def test_a_deployment_the_pass_corrected_is_read_back_for_its_status(api: InMemo
     api.requests.clear()
     _deployment_event("MODIFIED", api.store(_deployment_path(ns, name), edited))
     assert "PATCH deployments" in api.requests
-    assert _reads(api.requests) == ["GET deployments"], "compared with the watched body, read back"
+    # The watched body keeps no spec, and its generation is not the one last compared whole: the
+    # Deployment is read whole to compare, then read back after the apply.
+    assert _reads(api.requests) == ["GET deployments", "GET deployments"]
     progressing = next(c for c in _status(api, ns, name)["conditions"] if c["type"] == "Progressing")
     assert (progressing["status"], progressing["reason"]) == ("True", "RollingOut")
 
@@ -528,3 +530,82 @@ def test_the_cache_keeps_what_a_pass_reads_and_forgets_a_deleted_model() -> None
     cache.pod_event("ns", "kept", "ADDED", _pod("k", 15))
     cache.retain({("ns", "kept")})
     assert list(cache._pods) == [("ns", "kept")] and not cache._deployment_deleted
+
+
+def test_a_watched_deployment_spec_is_compared_whole_only_after_its_generation_moved(api: InMemoryAPI) -> None:
+    # The cache keeps no Deployment spec. Its first apply's answer was compared whole; a new
+    # generation (here the autoscaler's scale, which leaves the desired spec held) is read whole
+    # once, found unchanged, and the next events of that generation need no read.
+    ns, name = _new_model(api)
+    _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=1))
+    _pod_event(None, _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    scaled = api.objects[_deployment_path(ns, name)]
+    scaled["metadata"]["generation"] = 2
+    scaled["status"]["observedGeneration"] = 2
+    api.requests.clear()
+    _deployment_event("MODIFIED", api.store(_deployment_path(ns, name), scaled))
+    assert _reads(api.requests) == ["GET deployments"] and "PATCH deployments" not in api.requests
+    api.requests.clear()
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=False))
+    assert _reads(api.requests) == [] and "PATCH deployments" not in api.requests
+
+
+def _kwok_pod(name: str, conditions: list[dict[str, Any]], **status: Any) -> dict[str, Any]:
+    """A pod as the API server returns it: most of it is nothing a pass reads."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": "3f6c",
+            "resourceVersion": "10",
+            "generateName": "m-5d8f-",
+            "labels": {MODEL_LABEL: "m", "pod-template-hash": "5d8f"},
+            "annotations": {CONFIG_HASH_ANNOTATION: "abc"},
+            "ownerReferences": [{"kind": "ReplicaSet", "name": "m-5d8f", "uid": "1"}],
+            "managedFields": [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}],
+            "creationTimestamp": "2026-12-06T00:00:00Z",
+        },
+        "spec": {"containers": [{"name": "engine", "image": "x" * 200}], "readinessGates": [{"conditionType": "g"}]},
+        "status": {
+            "hostIP": "10.0.0.1",
+            "podIP": "127.16.0.9",
+            "qosClass": "Burstable",
+            "startTime": "2026-12-06T00:00:01Z",
+            "conditions": [
+                {**c, "lastProbeTime": None, "lastTransitionTime": "2026-12-06T00:00:02Z"} for c in conditions
+            ],
+            **status,
+        },
+    }
+
+
+def test_a_kept_pod_answers_every_question_a_pass_asks_as_the_whole_pod_does() -> None:
+    from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
+    from flashmodel_operator.child_cache import pod_view
+    from flashmodel_operator.pod_state import gate_is_standby, gate_is_true
+    from flashmodel_operator.reconcile import preflight_refusal, unschedulable
+
+    refused = {"terminated": {"exitCode": PREFLIGHT_EXIT_CODE, "message": "needs 16 GiB", "reason": "Error"}}
+    pods = [
+        _kwok_pod("prewarmed", [{"type": PREWARM_GATE, "status": "True", "reason": "PrewarmSucceeded"}],
+                  phase="Running", containerStatuses=[{"name": "engine", "state": {"running": {"startedAt": "t"}},
+                                                       "image": "x", "imageID": "y", "restartCount": 0}]),
+        _kwok_pod("standby", [{"type": PREWARM_GATE, "status": "False", "reason": "Standby"}], phase="Running"),
+        _kwok_pod("pending", [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                               "message": "0/3 nodes have a free T4"}], phase="Pending"),
+        _kwok_pod("refused", [], phase="Running",
+                  containerStatuses=[{"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                      "lastState": refused, "restartCount": 3}]),
+    ]
+    pods[1]["metadata"]["deletionTimestamp"] = "2026-12-06T00:01:00Z"
+    views = [pod_view(p) for p in pods]
+    assert preflight_refusal(views, "abc") == preflight_refusal(pods, "abc") == ("refused", "needs 16 GiB")
+    assert unschedulable(views) == unschedulable(pods) is not None
+    assert [gate_is_true(v) for v in views] == [gate_is_true(p) for p in pods] == [True, False, False, False]
+    assert [gate_is_standby(v) for v in views] == [gate_is_standby(p) for p in pods] == [False, True, False, False]
+    for view, pod in zip(views, pods, strict=True):
+        assert view["metadata"]["annotations"] == pod["metadata"]["annotations"]
+        assert view["metadata"].get("deletionTimestamp") == pod["metadata"].get("deletionTimestamp")
+    assert len(json.dumps(views)) < len(json.dumps(pods)) / 3
