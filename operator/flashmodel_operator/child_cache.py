@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashmodel_operator.apply import Cluster
+from flashmodel_operator.apply import ApplyResult, Cluster
+from flashmodel_operator.render import content_hash
 
 ModelKey = tuple[str, str]
 
@@ -305,6 +306,7 @@ class PassReads:
     from_watch: bool
     _deployment: dict[str, Any] | None = None
     _deployment_read: bool = False
+    _deployment_now: dict[str, Any] | None = None
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
         if self.from_watch and self.cache is not None:
@@ -317,23 +319,41 @@ class PassReads:
             self.cache.record_pods(self.namespace, self.name, items, version, listings)
         return items
 
-    def deployment_to_apply(self, digest: str) -> tuple[dict[str, Any] | None, bool]:
-        """The live Deployment to compare with the desired one of `digest`, and whether its spec is vouched for.
+    def apply_deployment(self, desired: dict[str, Any], known_absent: bool) -> ApplyResult:
+        """Apply the Deployment, keeping the whole object the apply compared or wrote as the pass's view of it.
 
-        A watched body has no spec: it counts as matching where a whole compare matched this digest at
-        the body's generation; otherwise the Deployment is read whole.
+        From the watch the body has no spec: it counts as matching where a whole compare matched the
+        desired digest at the body's uid and generation (anyone's spec change makes a new generation);
+        otherwise the Deployment is read whole. A whole object found to hold the desired one (read,
+        or the server's answer to the apply) is remembered as matched, and is the Deployment as it is
+        now: the pass's status reads it (`deployment_now`) instead of reading it back.
         """
-        live = self.deployment()
-        if live is None or "spec" in live:
-            return live, False
-        if self.cache is not None and self.cache.spec_matched(self.namespace, self.name, live, digest):
-            return live, True
-        return self.deployment(fresh=True), False
+        listings = self.cache.listings[0] if self.cache is not None else 0
+        live, spec_matched = None, False
+        if self.from_watch:
+            live = self.deployment()
+            if live is not None and "spec" not in live:
+                digest = content_hash(desired)
+                if self.cache is not None and self.cache.spec_matched(self.namespace, self.name, live, digest):
+                    spec_matched = True
+                else:
+                    live = self.deployment(fresh=True)
+            known_absent = live is None
 
-    def spec_match(self, live: dict[str, Any], digest: str) -> None:
-        """Cluster.apply found `live` (whole) holding the desired Deployment of `digest`."""
-        if self.cache is not None:
-            self.cache.record_spec_match(self.namespace, self.name, live, digest)
+        def matched(whole: dict[str, Any], digest: str) -> None:
+            if self.cache is not None:
+                self.cache.record_spec_match(self.namespace, self.name, whole, digest)
+                self.cache.record_deployment(self.namespace, self.name, whole, listings)
+            self._deployment_now = whole
+
+        return self.cluster.apply(
+            desired, known_absent=known_absent, live=live, spec_matched=spec_matched, matched=matched
+        )
+
+    @property
+    def deployment_now(self) -> dict[str, Any] | None:
+        """The whole Deployment this pass's apply compared or wrote, where it held the desired one."""
+        return self._deployment_now
 
     def deployment(self, fresh: bool = False) -> dict[str, Any] | None:
         """The Deployment; `fresh` reads the API (after this pass wrote it, or for a full pass's status)."""

@@ -27,7 +27,6 @@ from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.pod_state import gate_is_standby, gate_is_true
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
-    content_hash,
     control_secret_name,
     engine_config,
     pod_template_problems,
@@ -258,16 +257,10 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     try:
         for child in children:
             try:
-                # Every whole compare of the Deployment is remembered (reads.spec_match), so a pass from
-                # the watch, which keeps no spec, compares the spec only after someone changed it.
-                matched = reads.spec_match if child["kind"] == "Deployment" else None
-                if from_watch and child["kind"] == "Deployment":
-                    live, spec_matched = reads.deployment_to_apply(content_hash(child))
-                    result = cluster.apply(
-                        child, known_absent=live is None, live=live, spec_matched=spec_matched, matched=matched
-                    )
+                if child["kind"] == "Deployment":
+                    result = reads.apply_deployment(child, known_absent=first_pass)
                 else:
-                    result = cluster.apply(child, known_absent=first_pass, matched=matched)
+                    result = cluster.apply(child, known_absent=first_pass)
             except Exception as exc:
                 if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
                     # A dropped connection or a 5xx the client's retries did not outlast says nothing about
@@ -297,9 +290,10 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
             cluster.event(body, "Normal", "Applied", message)
     scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
-    # Its status after this pass's apply: read back when the apply wrote it.
+    # Its status after this pass's apply: the object the apply compared or wrote where it has it, else
+    # read back when the apply wrote it (or for a full pass), else as watched.
     deployment_written = outcome.applied.get(f"Deployment/{name}", "unchanged") != "unchanged"
-    deployment = reads.deployment(fresh=deployment_written or not from_watch) or {}
+    deployment = reads.deployment_now or reads.deployment(fresh=deployment_written or not from_watch) or {}
     dep_status = deployment.get("status") or {}
     current_pods = [
         p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash

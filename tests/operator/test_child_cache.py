@@ -219,11 +219,12 @@ def test_a_child_event_pass_reads_nothing_once_the_operator_has_seen_the_model_a
     _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=0))
     _pod_event("ADDED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=False))
 
-    # The model's own update pass (and the resync) read everything, as before: 8 requests.
+    # The model's own update pass (and the resync) read everything: 7 requests (the Deployment the
+    # apply compared is the one its status reads).
     api.requests.clear()
     handlers._reconcile_latest(ns, name)
     assert sorted(_reads(api.requests)) == [
-        "GET configmaps", "GET deployments", "GET deployments", "GET flashmodels", "GET poddisruptionbudgets",
+        "GET configmaps", "GET deployments", "GET flashmodels", "GET poddisruptionbudgets",
         "GET secrets", "GET services", "LIST pods",
     ]
 
@@ -244,6 +245,18 @@ def test_a_child_event_pass_reads_nothing_once_the_operator_has_seen_the_model_a
     api.requests.clear()
     _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
     assert api.requests == []
+
+
+def test_a_new_models_first_pass_reads_nothing(api: InMemoryAPI) -> None:
+    # Nothing of it exists yet; the Deployment's status comes from the server's answer to its apply.
+    api.requests.clear()
+    ns, name = _new_model(api)
+    assert _reads(api.requests) == []
+    assert sorted(r for r in api.requests if r != "POST events") == [
+        "PATCH configmaps", "PATCH deployments", "PATCH flashmodels/status", "PATCH poddisruptionbudgets",
+        "PATCH services", "POST secrets",
+    ]
+    assert _status(api, ns, name)["replicas"] == 0 and _status(api, ns, name)["observedGeneration"] == 1
 
 
 def test_a_child_the_watch_has_not_shown_whole_is_read_from_the_api(
@@ -327,8 +340,8 @@ def test_a_deployment_the_pass_corrected_is_read_back_for_its_status(api: InMemo
     _deployment_event("MODIFIED", api.store(_deployment_path(ns, name), edited))
     assert "PATCH deployments" in api.requests
     # The watched body keeps no spec, and its generation is not the one last compared whole: the
-    # Deployment is read whole to compare, then read back after the apply.
-    assert _reads(api.requests) == ["GET deployments", "GET deployments"]
+    # Deployment is read whole to compare; the server's answer to the apply is the status's.
+    assert _reads(api.requests) == ["GET deployments"]
     progressing = next(c for c in _status(api, ns, name)["conditions"] if c["type"] == "Progressing")
     assert (progressing["status"], progressing["reason"]) == ("True", "RollingOut")
 
