@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
@@ -132,7 +132,12 @@ class FlakyCluster(Cluster):
         return True
 
     def apply(
-        self, desired: dict[str, Any], known_absent: bool = False, live: dict[str, Any] | None = None
+        self,
+        desired: dict[str, Any],
+        known_absent: bool = False,
+        live: dict[str, Any] | None = None,
+        spec_matched: bool = False,
+        matched: Callable[[dict[str, Any], str], None] | None = None,
     ) -> Literal["created", "updated", "unchanged"]:
         raise ApiException(status=503, reason="Service Unavailable")
 
