@@ -44,7 +44,10 @@ MODELS: dict[str, tuple[int, int, int]] = {  # q heads, kv heads, head dim
     "qwen2.5-7b": (28, 4, 128),
 }
 BATCHES = [1, 4, 16, 32, 64, 128, 256]
-CONTEXTS = [512, 1024, 2048, 4096]
+CONTEXTS = [128, 256, 512, 1024, 2048, 4096]
+"""Decode contexts; ``--min-context`` (default 512) drops the shorter ones. A serving batch's
+contexts are a few hundred tokens (the field workload's prompts), where a plan fixed for
+``max_model_len`` (``tile_graph``) is furthest from its shape."""
 ROTATION_BYTES = 256 * 1024 * 1024  # about 4x the H200's L2
 MAX_COPIES = 64
 SAMPLE_SECONDS = 2e-3  # GPU time per timing sample (whole graph replays); the median of 5 is kept

@@ -22,8 +22,9 @@ In order, each section within what is left of ``--budget-s`` (default 480 s):
    at concurrency 1, 8 and 32 comes from ``bench/slo/loadgen.py sweep``, servers in the order
    TRITON, tile, tile, TRITON (each measured while the other idles); ``--goodput`` adds a
    ``loadgen search`` per server if the budget allows.
-3. ``microbench``: ``bench_attention --skip-prefill --kernels tile,tile_graph,tile_graph_fused,vllm_triton,fa3``
-   with the time left: every decode shape, the captured-graph plan beside the eager one.
+3. ``microbench``: ``bench_attention --skip-prefill --kernels tile,tile_graph,tile_graph_fused,vllm_triton,fa3
+   --min-context 128`` with the time left: every decode shape (contexts 128 to 4096), the
+   captured-graph plan beside the eager one.
 
 Writes ``cudagraph_results.json`` (every number, rewritten after each section),
 ``cudagraph_results.md`` (the verdicts), ``servers.log.gz``, and the microbenchmark's
@@ -573,7 +574,7 @@ def microbench_section(out: Path, budget: Budget, log: Callable[[str], None]) ->
     timeout = max(30.0, budget.left() - 10)
     cmd = [
         sys.executable, "-m", "bench.kernels.bench_attention", "--out", str(out), "--skip-prefill",
-        "--kernels", "tile,tile_graph,tile_graph_fused,vllm_triton,fa3",
+        "--kernels", "tile,tile_graph,tile_graph_fused,vllm_triton,fa3", "--min-context", "128",
     ]  # fmt: skip
     with (out / "bench_attention.txt").open("w") as text:
         try:

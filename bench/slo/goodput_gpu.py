@@ -133,10 +133,15 @@ def plan(smoke: bool) -> list[GCase]:
     # A second API server process: on a host whose CPU binds before the GPU, the one Python front
     # end (tokenising, streaming every token) may be what limits the rate.
     two_frontends = profile_args("t4", extraArgs=["--api-server-count", "2"])
+    # Tokens streamed per chunk after the first (the first goes out at once): a front end that
+    # binds before the GPU sends a quarter of the chunks; a chunk of 4 tokens is about 12 ms of
+    # decode at the profile's TPOT, well inside a reader's 50 ms.
+    stream4 = profile_args("t4", extraArgs=["--stream-interval", "4"])
     # Priority order: the budget may end the list early.
     return [
         GCase("t4-1.5b", "1.5b", "t4", t4, 64.0, cross_check=True),
         GCase("defaults-1.5b", "1.5b", "defaults", [], 64.0),
+        GCase("t4-stream4-1.5b", "1.5b", "t4-stream4", stream4, 64.0),
         GCase("eager-1.5b", "1.5b", "eager", eager, 8.0),
         GCase("t4-graphs256-1.5b", "1.5b", "t4-graphs256", graphs_to_seqs, 64.0),
         GCase("t4-api2-1.5b", "1.5b", "t4-api2", two_frontends, 64.0),

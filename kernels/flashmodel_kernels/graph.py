@@ -8,9 +8,10 @@ single-token decode, the sequences padded up to the captured size):
 - the plan depends only on what is fixed for that graph: the padded batch size, the model's
   heads and head size, the GPU, and the engine's ``max_model_len`` in place of the batch's
   longest sequence (which changes every step). The kernel reads each sequence's length on the
-  device and shares that sequence's key tiles out over the splits there, so a plan made for
-  ``max_model_len`` is right for any shorter length; splits a short sequence leaves empty
-  carry weight zero in the merge.
+  device and shares that sequence's keys out over the splits there in two-page runs, with short
+  key tiles where a split is short, so a plan made for ``max_model_len`` is right for any shorter
+  length and still spreads a short sequence over as many splits as it has runs; splits a short
+  sequence leaves empty carry weight zero in the merge.
 - the split scratch and the fused merge's counters are one ``SplitWorkspace``, allocated once
   for the largest captured size, so every replay reads and writes the same memory.
 - padded slots (sequence length 0, no query token of their own in ``query_start_loc``) write at

@@ -29,19 +29,105 @@ import torch
 
 from flashmodel_kernels._triton import INTERPRETING, tl, triton
 from flashmodel_kernels.merge import merge_split_rows, merge_splits
-from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig, multiprocessor_count, plan_launch, wide_tiles_fit
+from flashmodel_kernels.plan import (
+    PAGE_SIZE,
+    SPLIT_GRANULE,
+    LaunchConfig,
+    multiprocessor_count,
+    plan_launch,
+    wide_tiles_fit,
+)
 
 __all__ = ["SplitWorkspace", "paged_attention"]
 
 
 @triton.jit
-def split_tiles(kv_end, split, num_splits, BLOCK_N: tl.constexpr):
-    """Key tiles [begin, end) of one split of a key range of ``kv_end`` keys: whole BLOCK_N tiles,
-    shared out evenly (the last splits of a short range may get none)."""
-    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    return tile_begin, tl.minimum(tile_begin + tiles_per_split, num_kv_tiles)
+def split_keys(kv_end, split, num_splits, GRANULE: tl.constexpr):
+    """Keys [begin, end) of one split of a key range of ``kv_end`` keys: whole granules (a few
+    pages) shared out evenly.
+
+    Granules, not key tiles, are what is shared out: a plan fixed for a long sequence (a captured
+    CUDA graph plans for ``max_model_len``) then still spreads a short one over as many splits as
+    it has granules, instead of leaving all but one or two of them empty. A split's last tile may
+    run past its end: those keys are masked and never loaded. ``end <= begin`` for an empty split.
+    """
+    granules_per_split = tl.cdiv(tl.cdiv(kv_end, GRANULE), num_splits)
+    key_begin = split * granules_per_split * GRANULE
+    return key_begin, tl.minimum(key_begin + granules_per_split * GRANULE, kv_end)
+
+
+@triton.jit
+def attend_keys(
+    q,
+    m_i,
+    l_i,
+    acc,
+    key_begin,
+    key_end,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_row,
+    kv_head,
+    q_pos,
+    row_valid,
+    offs_d,
+    dim_valid,
+    qk_scale_log2,
+    stride_k_blk,
+    stride_k_tok,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_blk,
+    stride_v_tok,
+    stride_v_head,
+    stride_v_dim,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
+):
+    """The online softmax over keys [key_begin, key_end) in BLOCK_N-key steps: returns m_i, l_i, acc."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for kv_tile in range(0, tl.cdiv(tl.maximum(key_end - key_begin, 0), BLOCK_N)):
+        key_pos = key_begin + kv_tile * BLOCK_N + offs_n
+        key_valid = key_pos < key_end
+        page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = key_pos % PAGE_SIZE
+        # int64: a cache of a few hundred thousand pages is more than 2**31 elements per layer.
+        k_rows = page * stride_k_blk + slot * stride_k_tok + kv_head * stride_k_head
+        v_rows = page * stride_v_blk + slot * stride_v_tok + kv_head * stride_v_head
+        k = tl.load(
+            k_cache_ptr + k_rows[None, :] + offs_d[:, None] * stride_k_dim,
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, BLOCK_N]
+        v = tl.load(
+            v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_v_dim,
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM_PAD]
+
+        if INTERPRETER_BF16:
+            # Triton 3.7's CPU interpreter multiplies bf16 operands as raw bits; fp32 operands
+            # give it the same products. Never set on a GPU.
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * qk_scale_log2
+        else:
+            s = tl.dot(q, k) * qk_scale_log2  # [BLOCK_M, BLOCK_N] fp32
+        visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps
+        # exp2 at exactly 0 for it rather than NaN from (-inf) - (-inf).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if INTERPRETER_BF16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 # num_splits is a runtime argument, not a constexpr: a new split count (a new batch size in eager
@@ -86,6 +172,8 @@ def _paged_attention_kernel(
     QUERIES_PER_KV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SHORT_BLOCK_N: tl.constexpr,
+    SPLIT_GRANULE: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     DECODE: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
@@ -149,54 +237,40 @@ def _paged_attention_kernel(
     # Keys this tile can see: up to the last valid query token's position, inclusive.
     last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
     kv_end = context_len + last_tok
-    tile_begin, tile_end = split_tiles(kv_end, split, num_splits, BLOCK_N)
+    key_begin, key_end = split_keys(kv_end, split, num_splits, SPLIT_GRANULE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     block_row = block_table_ptr + seq * stride_bt_seq
-
-    for kv_tile in range(tile_begin, tile_end):
-        key_pos = kv_tile * BLOCK_N + offs_n
-        key_valid = key_pos < kv_end
-        page = tl.load(block_row + key_pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
-        slot = key_pos % PAGE_SIZE
-        # int64: a cache of a few hundred thousand pages is more than 2**31 elements per layer.
-        k_rows = page * stride_k_blk + slot * stride_k_tok + kv_head * stride_k_head
-        v_rows = page * stride_v_blk + slot * stride_v_tok + kv_head * stride_v_head
-        k = tl.load(
-            k_cache_ptr + k_rows[None, :] + offs_d[:, None] * stride_k_dim,
-            mask=key_valid[None, :] & dim_valid[:, None],
-            other=0.0,
-        )  # [HEAD_DIM_PAD, BLOCK_N]
-        v = tl.load(
-            v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_v_dim,
-            mask=key_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )  # [BLOCK_N, HEAD_DIM_PAD]
-
-        if INTERPRETER_BF16:
-            # Triton 3.7's CPU interpreter multiplies bf16 operands as raw bits; fp32 operands
-            # give it the same products. Never set on a GPU.
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * qk_scale_log2
+    if SHORT_BLOCK_N < BLOCK_N:
+        # A split much shorter than a tile (a short sequence under a plan made for a long one,
+        # as a captured graph's is) takes short tiles: a long one would be mostly masked keys
+        # whose products and softmax are computed all the same.
+        if key_end - key_begin <= 2 * SHORT_BLOCK_N:
+            m_i, l_i, acc = attend_keys(
+                q, m_i, l_i, acc, key_begin, key_end, k_cache_ptr, v_cache_ptr, block_row, kv_head,
+                q_pos, row_valid, offs_d, dim_valid, qk_scale_log2,
+                stride_k_blk, stride_k_tok, stride_k_head, stride_k_dim,
+                stride_v_blk, stride_v_tok, stride_v_head, stride_v_dim,
+                PAGE_SIZE, SHORT_BLOCK_N, INTERPRETER_BF16,
+            )  # fmt: skip
         else:
-            s = tl.dot(q, k) * qk_scale_log2  # [BLOCK_M, BLOCK_N] fp32
-        visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps
-        # exp2 at exactly 0 for it rather than NaN from (-inf) - (-inf).
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if INTERPRETER_BF16:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            m_i, l_i, acc = attend_keys(
+                q, m_i, l_i, acc, key_begin, key_end, k_cache_ptr, v_cache_ptr, block_row, kv_head,
+                q_pos, row_valid, offs_d, dim_valid, qk_scale_log2,
+                stride_k_blk, stride_k_tok, stride_k_head, stride_k_dim,
+                stride_v_blk, stride_v_tok, stride_v_head, stride_v_dim,
+                PAGE_SIZE, BLOCK_N, INTERPRETER_BF16,
+            )  # fmt: skip
+    else:
+        m_i, l_i, acc = attend_keys(
+            q, m_i, l_i, acc, key_begin, key_end, k_cache_ptr, v_cache_ptr, block_row, kv_head,
+            q_pos, row_valid, offs_d, dim_valid, qk_scale_log2,
+            stride_k_blk, stride_k_tok, stride_k_head, stride_k_dim,
+            stride_v_blk, stride_v_tok, stride_v_head, stride_v_dim,
+            PAGE_SIZE, BLOCK_N, INTERPRETER_BF16,
+        )  # fmt: skip
 
     # Rows with no visible key in this split (padding, or a split before a row's causal bound)
     # have l_i == 0: they write zeros and, for the merge, a log-sum of -inf (weight 0).
@@ -406,6 +480,8 @@ def paged_attention(
         QUERIES_PER_KV_PAD=triton.next_power_of_2(queries_per_kv),
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
+        SHORT_BLOCK_N=config.short_block_n,
+        SPLIT_GRANULE=SPLIT_GRANULE,
         SPLIT_KV=splits > 1,
         DECODE=decode,
         FUSE_MERGE=arrivals is not None,

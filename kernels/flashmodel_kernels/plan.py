@@ -12,6 +12,8 @@ from flashmodel_kernels._triton import INTERPRETING, triton
 
 __all__ = [
     "PAGE_SIZE",
+    "SHORT_BLOCK_N",
+    "SPLIT_GRANULE",
     "LaunchConfig",
     "multiprocessor_count",
     "plan_launch",
@@ -28,6 +30,19 @@ PAGE_SIZE = 16
 # programs left the GPU idle).
 MIN_TOKENS_PER_SPLIT = 32
 """A split holds at least this many keys (two 16-token pages): shorter, its merge costs more than it saves."""
+
+SPLIT_GRANULE = MIN_TOKENS_PER_SPLIT
+"""The kernel shares a sequence's keys out over the splits in runs of this many (two pages): the
+same floor, applied on the device to the sequence's own length, where a captured graph's plan
+only knows ``max_model_len``."""
+
+SHORT_BLOCK_N = 32
+"""Keys per loop step of a split of at most twice this many keys, whatever the plan's BLOCK_N.
+
+On an H100 (bench/kernels/results/h100-2026-12-06b-cudagraph), the graph plan's 128-key tiles on
+splits of 16-32 keys (a few hundred tokens under a plan made for 4,096) took 6.6-7.8 us at batch 1
+where the eager plan's 32-key tiles took 4.6-6.6 us on the same splits and merge.
+"""
 
 PROGRAMS_PER_SM = 2.0
 """Decode splits the key range until there are about this many programs per multiprocessor."""
@@ -98,6 +113,11 @@ class LaunchConfig:
     decode_path: bool = True
     """A pure decode batch takes the search-free path (program i is sequence i); False searches."""
     prefetch_pages: bool = False
+
+    @property
+    def short_block_n(self) -> int:
+        """Keys per loop step of a short split (``SHORT_BLOCK_N``), never more than ``block_n``."""
+        return min(SHORT_BLOCK_N, self.block_n)
 
 
 @lru_cache(maxsize=8)

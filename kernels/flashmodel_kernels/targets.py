@@ -23,7 +23,7 @@ import torch
 from flashmodel_kernels._triton import INTERPRETING, triton
 from flashmodel_kernels.merge import _merge_splits_kernel
 from flashmodel_kernels.paged_attention import _paged_attention_kernel
-from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig
+from flashmodel_kernels.plan import PAGE_SIZE, SPLIT_GRANULE, LaunchConfig
 
 __all__ = [
     "T4_SHARED_MEMORY_BYTES",
@@ -254,6 +254,8 @@ def compile_tile_attention(
         QUERIES_PER_KV_PAD=triton.next_power_of_2(queries_per_kv),
         BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n,
+        SHORT_BLOCK_N=config.short_block_n,
+        SPLIT_GRANULE=SPLIT_GRANULE,
         SPLIT_KV=int(config.num_splits > 1),
         DECODE=int(decode and config.decode_path),
         FUSE_MERGE=int(config.num_splits > 1 and config.fuse_merge),

@@ -16,7 +16,7 @@ import pytest
 import torch
 from flashmodel_kernels.graph import GraphPlans, LayerShape, plan_for_graph
 from flashmodel_kernels.paged_attention import paged_attention
-from flashmodel_kernels.plan import PAGE_SIZE, LaunchConfig, plan_launch
+from flashmodel_kernels.plan import PAGE_SIZE, SPLIT_GRANULE, LaunchConfig, plan_launch
 from flashmodel_kernels.reference import PagedBatch, reference_attention, relative_error
 from flashmodel_kernels.variants import launch_variant, serving_variants
 
@@ -220,6 +220,27 @@ def test_replays_with_changing_lengths_and_padding_equal_the_reference(
             batch = replay(captured, plans, *cache, seq_lens, generator)
             check_step(captured, plans, batch, note)
         assert plans.workspace.part_out.data_ptr() == workspace_ptr
+
+
+def test_a_short_sequence_reaches_every_split_it_has_keys_for(
+    device: str, generator: torch.Generator, cache: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    # The captured plan is made for max_model_len, so its key tiles are long; a short sequence
+    # must still be spread over the splits two pages at a time, not leave all but one or two
+    # idle (the cost of a long-context plan at a serving batch's few hundred tokens).
+    plans = GraphPlans(shape_of(6), CAPTURE_SIZES, device)
+    size = 2
+    captured = capture(plans, size, device)
+    splits = captured.plan.num_splits
+    assert splits >= 4 and not captured.plan.fuse_merge, captured.plan  # the merge kernel keeps every split's sum
+    assert captured.plan.block_n > SPLIT_GRANULE, captured.plan  # tiles longer than the granules shared out
+    lens = [SPLIT_GRANULE * (splits - 1) - 3, SPLIT_GRANULE + 1]
+    batch = replay(captured, plans, *cache, lens, generator)
+    check_step(captured, plans, batch, f"seed={generator.initial_seed()} plan={captured.plan} lens={lens}")
+    views = plans.workspace.views(size, plans.shape.num_q_heads, splits, HEAD_DIM)
+    assert views is not None
+    used = torch.isfinite(views[1][: len(lens), 0]).sum(dim=1).tolist()  # splits that saw a key, per sequence
+    assert used == [splits - 1, 2], f"splits holding keys per sequence: {used} (plan {captured.plan})"
 
 
 def test_padded_slots_on_the_searching_path(
