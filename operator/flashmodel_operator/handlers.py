@@ -80,10 +80,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 0.5
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    # kopf holds each event this long for later ones of the same object (default 0.1 s); one write
-    # produces one event here, and the reconcile reads the object fresh anyway, so the default wait
-    # would only delay every create's first child.
-    settings.batching.batch_window = 0.01
     # A socket per engine pod's kept-alive shim connection: a 1,000-pod fleet must not hit the
     # usual soft limit of 1,024 open files (the hard limit is the node's to set).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
