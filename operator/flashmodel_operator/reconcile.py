@@ -24,7 +24,7 @@ from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa
 from flashmodel_operator.child_cache import ChildCache, PassReads
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.model import FlashModel, FlashModelSpec
-from flashmodel_operator.pod_state import gate_is_standby, gate_is_true
+from flashmodel_operator.pod_state import gate_is_standby, gate_is_true, model_state
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     control_secret_name,
@@ -240,7 +240,10 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     control_missing = first_pass or (
         not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
     )
-    if control_missing and cluster.create(render_control_secret(fm, secrets.token_urlsafe(32))):
+    token = secrets.token_urlsafe(32) if control_missing else None
+    if token is not None and cluster.create(render_control_secret(fm, token)):
+        # The pod watches would read it back from the API, once per model; the pass that made it knows it.
+        model_state(ns, name).control_token = token
         log.info("event=control-secret-created model=%s/%s", ns, name)
 
     # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
@@ -252,7 +255,8 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
         # and one without its hub token would fail its download; the Secret's arrival triggers a pass
         # within seconds (handlers.wait_for_secret).
         children = [c for c in children if c["kind"] != "Deployment"]
-    # The events go after the children, not between them: each is a write that would hold up the next child.
+    # One event for the children a pass changed, after them: an event per child was four more writes
+    # before a new model's status (most of a burst's events), and each would hold up the next child.
     applied_events: list[str] = []
     try:
         for child in children:
@@ -284,10 +288,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
             outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
             if result != "unchanged":
                 applied_events.append(f"{result} {child['kind']} {child['metadata']['name']}")
-                log.info("event=applied model=%s/%s kind=%s result=%s", ns, name, child["kind"], result)
     finally:
-        for message in applied_events:
-            cluster.event(body, "Normal", "Applied", message)
+        if applied_events:
+            cluster.event(body, "Normal", "Applied", ", ".join(applied_events))
     scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
     # Its status after this pass's apply: the object the apply compared or wrote where it has it, else

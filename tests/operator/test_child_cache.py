@@ -18,7 +18,8 @@ import kopf
 import pytest
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.child_cache import ChildCache
-from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, MODEL_LABEL, PREWARM_GATE
+from flashmodel_operator.pod_state import model_state
+from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE
 from flashmodel_operator.standby_gate import current_template
 from flashmodel_operator.watched_models import WatchedModels
 from kubernetes.client.exceptions import ApiException
@@ -257,6 +258,10 @@ def test_a_new_models_first_pass_reads_nothing(api: InMemoryAPI) -> None:
         "PATCH services", "POST secrets",
     ]
     assert _status(api, ns, name)["replicas"] == 0 and _status(api, ns, name)["observedGeneration"] == 1
+    # One event says what the pass made; its pods' watches take the shim token from the pass, not the API.
+    assert api.requests.count("POST events") == 1
+    secret = api.objects[f"/api/v1/namespaces/{ns}/secrets/{name}-shim"]
+    assert model_state(ns, name).control_token == secret["stringData"][CONTROL_TOKEN_KEY]
 
 
 def test_a_child_the_watch_has_not_shown_whole_is_read_from_the_api(
