@@ -20,7 +20,8 @@ In order, each section within what is left of ``--budget-s`` (default 480 s):
    hold no CUDA-graph fallback; greedy completions of both are compared token by token (a
    divergence counts as rounding only at a near-tie of the top two log-probabilities); TPOT p50
    at concurrency 1, 8 and 32 comes from ``bench/slo/loadgen.py sweep``, servers in the order
-   TRITON, tile, tile, TRITON (each measured while the other idles); ``--goodput`` adds a
+   TRITON, tile, tile, TRITON (each measured while the other idles; ``--tpot-rounds`` repeats
+   that order, and the median of all sweeps is kept); ``--goodput`` adds a
    ``loadgen search`` per server if the budget allows.
 3. ``microbench``: ``bench_attention --skip-prefill --kernels tile,tile_graph,tile_graph_fused,vllm_triton,fa3
    --min-context 128`` with the time left: every decode shape (contexts 128 to 4096), the
@@ -433,8 +434,24 @@ def greedy_outputs(port: int, max_prompt: int, vocab: int) -> list[dict[str, Any
         return list(pool.map(lambda a: complete(port, *a), zip(prompts, lengths, strict=True)))
 
 
+def _top2_gap(completion: dict[str, Any], position: int) -> tuple[float | None, dict[str, float]]:
+    """The gap between the two most likely tokens at ``position``, and that position's top tokens."""
+    top_list = completion.get("top_logprobs") or []
+    tops: dict[str, float] = (top_list[position] if position < len(top_list) else None) or {}
+    if len(tops) < 2:
+        return None, tops
+    best = sorted(tops.values(), reverse=True)
+    return best[0] - best[1], tops
+
+
 def compare_greedy(tile: list[dict[str, Any]], triton: list[dict[str, Any]]) -> dict[str, Any]:
-    """Identical, diverged at a near-tie (fp16 rounding can flip it), or diverged otherwise."""
+    """Identical, diverged at a near-tie (fp16 rounding can flip it), or diverged otherwise.
+
+    A near-tie: in one engine's distribution at the first difference, the top two are within
+    ``NEAR_TIE`` and the other engine's pick is among its top tokens. Either side may show it:
+    top tokens are keyed by their text, and a token whose text is empty (a byte piece of a
+    random-weight model's vocabulary) cannot be found in the other side's list.
+    """
     identical = near_tie = other = 0
     details = []
     for i, (a, b) in enumerate(zip(tile, triton, strict=True)):
@@ -443,18 +460,24 @@ def compare_greedy(tile: list[dict[str, Any]], triton: list[dict[str, Any]]) -> 
             identical += 1
             continue
         k = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
-        gap = None
-        top_list = b["top_logprobs"] or []
-        tops: dict[str, float] = (top_list[k] if k < len(top_list) else None) or {}
-        if len(tops) >= 2:
-            best = sorted(tops.values(), reverse=True)
-            gap = best[0] - best[1]
-        if gap is not None and gap <= NEAR_TIE and ta[k] in tops:
+        gap, tops = _top2_gap(b, k)
+        tile_gap, tile_tops = _top2_gap(a, k)
+        near = (gap is not None and gap <= NEAR_TIE and k < len(ta) and ta[k] in tops) or (
+            tile_gap is not None and tile_gap <= NEAR_TIE and k < len(tb) and tb[k] in tile_tops
+        )
+        if near:
             near_tie += 1
         else:
             other += 1
         details.append(
-            {"request": i, "first_difference": k, "top2_gap_nats": gap, "tile": ta[k : k + 3], "triton": tb[k : k + 3]}
+            {
+                "request": i,
+                "first_difference": k,
+                "top2_gap_nats": gap,
+                "tile_top2_gap_nats": tile_gap,
+                "tile": ta[k : k + 3],
+                "triton": tb[k : k + 3],
+            }
         )
     return {"requests": len(tile), "identical": identical, "near_tie": near_tie, "other": other, "details": details}
 
@@ -521,7 +544,7 @@ def engine_section(
         result["greedy"] = compare_greedy(outputs["tile"], outputs["triton"])
         log(f"greedy: {json.dumps({k: v for k, v in result['greedy'].items() if k != 'details'})}")
         sweeps: dict[str, list[dict[str, Any]]] = {"tile": [], "triton": []}
-        for i, name in enumerate(("triton", "tile", "tile", "triton")):
+        for i, name in enumerate(("triton", "tile", "tile", "triton") * args.tpot_rounds):
             if budget.left() < args.microbench_s + 40:
                 log(f"TPOT: budget left {budget.left():.0f} s; stopped after {i} sweeps")
                 break
@@ -699,6 +722,9 @@ def main() -> None:
     parser.add_argument("--greedy-max-prompt", type=int, default=3000, help="longest greedy prompt, in tokens")
     parser.add_argument(
         "--with-engine", action="store_true", help="with --smoke: the engine section too (a CPU vLLM's plumbing)"
+    )
+    parser.add_argument(
+        "--tpot-rounds", type=int, default=1, help="rounds of TPOT sweeps (TRITON, tile, tile, TRITON each); medians"
     )
     parser.add_argument("--skip", default="", help="comma list of sections to leave out: replays,engine,microbench")
     args = parser.parse_args()

@@ -6,6 +6,8 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.kernels.cudagraph_gpu import ROOT, compare_greedy, fallback_lines, plugin_site, summarize_decode
 
 # The line: vLLM 0.26 cutting graphs back for a backend that declared NEVER.
@@ -40,6 +42,22 @@ def test_greedy_divergence_counts_as_rounding_only_at_a_near_tie() -> None:
     result = compare_greedy(tile, triton)
     assert (result["identical"], result["near_tie"], result["other"]) == (1, 1, 1)
     assert [d["first_difference"] for d in result["details"]] == [1, 1]
+
+
+def test_a_near_tie_counts_from_either_engines_distribution() -> None:
+    # Triton's top tokens cannot hold tile's pick when its text is empty; tile's own distribution
+    # shows the tie (Triton's pick 0.002 nats behind). A clear lead on both sides is no tie.
+    triton = [
+        completion(["a", "x"], [{"a": -0.1}, {"x": -1.000, "y": -1.002}]),
+        completion(["a", "x"], [{"a": -0.1}, {"x": -0.5, "y": -2.0}]),
+    ]
+    tile = [
+        completion(["a", ""], [{"a": -0.1}, {"": -1.000, "x": -1.002}]),
+        completion(["a", "y"], [{"a": -0.1}, {"y": -0.5, "x": -2.5}]),
+    ]
+    result = compare_greedy(tile, triton)
+    assert (result["near_tie"], result["other"]) == (1, 1)
+    assert result["details"][0]["tile_top2_gap_nats"] == pytest.approx(0.002)
 
 
 def test_decode_summary_flags_a_shape_slower_than_triton_and_the_bandwidth_goal() -> None:
