@@ -41,7 +41,9 @@ SHORT_BLOCK_N = 32
 
 On an H100 (bench/kernels/results/h100-2026-12-06b-cudagraph), the graph plan's 128-key tiles on
 splits of 16-32 keys (a few hundred tokens under a plan made for 4,096) took 6.6-7.8 us at batch 1
-where the eager plan's 32-key tiles took 4.6-6.6 us on the same splits and merge.
+where the eager plan's 32-key tiles took 4.6-6.6 us on the same splits and merge. With short tiles
+(h100-2026-12-06c-cudagraph) the graph plan took 5.3 us at batch 1 / 256 tokens (vLLM's Triton
+kernel 5.6) and was slower than vLLM's Triton kernel on none of 84 decode shapes.
 """
 
 PROGRAMS_PER_SM = 2.0
