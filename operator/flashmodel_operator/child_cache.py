@@ -250,6 +250,19 @@ class ChildCache:
             if listings == self._deployment_listings:
                 self._deployment_seen[key] = listings
 
+    def pods_to_come(self, namespace: str, model: str, created: int, listings: int) -> None:
+        """The model's Deployment was just made (at resourceVersion `created`): every pod of it is yet to come.
+
+        Its pods will each arrive as a watch event, so the set the watch delivers is whole from here
+        on without an API list, as long as the watch does not list again (`listings`: the pod
+        listings before the Deployment was applied). Pods already kept (a deleted model's of the
+        same name, still going) stay.
+        """
+        with self._lock:
+            pods = self._pods.setdefault((namespace, model), _ModelPods())
+            pods.listed_version = max(created, pods.listed_version or 0)
+            pods.listing = listings if listings == self._pod_listings else -1
+
     def record_pods(
         self, namespace: str, model: str, items: list[dict[str, Any]], list_version: str, listings: int
     ) -> None:
@@ -328,7 +341,7 @@ class PassReads:
         or the server's answer to the apply) is remembered as matched, and is the Deployment as it is
         now: the pass's status reads it (`deployment_now`) instead of reading it back.
         """
-        listings = self.cache.listings[0] if self.cache is not None else 0
+        listings, pod_listings = self.cache.listings if self.cache is not None else (0, 0)
         live, spec_matched = None, False
         if self.from_watch:
             live = self.deployment()
@@ -346,9 +359,14 @@ class PassReads:
                 self.cache.record_deployment(self.namespace, self.name, whole, listings)
             self._deployment_now = whole
 
-        return self.cluster.apply(
+        result = self.cluster.apply(
             desired, known_absent=known_absent, live=live, spec_matched=spec_matched, matched=matched
         )
+        made = self._deployment_now if result == "created" else None
+        created = None if made is None else resource_version(made)
+        if self.cache is not None and created is not None:
+            self.cache.pods_to_come(self.namespace, self.name, created, pod_listings)
+        return result
 
     @property
     def deployment_now(self) -> dict[str, Any] | None:

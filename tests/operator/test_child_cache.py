@@ -264,6 +264,27 @@ def test_a_new_models_first_pass_reads_nothing(api: InMemoryAPI) -> None:
     assert model_state(ns, name).control_token == secret["stringData"][CONTROL_TOKEN_KEY]
 
 
+def test_a_new_models_pods_all_come_through_the_watch_so_its_child_passes_list_none(api: InMemoryAPI) -> None:
+    # The first pass made the Deployment: every pod of the model is still to come, each as a watch
+    # event, so the set the watch delivers is whole without an API list.
+    ns, name = _new_model(api)
+    api.requests.clear()
+    _deployment_event("ADDED", _controller_writes_status(api, ns, name, ready=0))
+    _pod_event("ADDED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=False))
+    _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
+    assert _reads(api.requests) == []
+    assert _status(api, ns, name)["prewarmedReplicas"] == 1
+
+    # Unless the watch listed the pods again since: a pod deleted meanwhile would send no event.
+    other_ns, other = _new_model(api)
+    from flashmodel_operator import handlers
+
+    handlers.CHILDREN.pod_event("elsewhere", "x", None, _pod("x", api.version + 1))
+    api.requests.clear()
+    _pod_event("ADDED", _kubelet_writes_pod(api, other_ns, other, "q1", prewarmed=True))
+    assert _reads(api.requests) == ["LIST pods"]
+
+
 def test_a_child_the_watch_has_not_shown_whole_is_read_from_the_api(
     api: InMemoryAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
