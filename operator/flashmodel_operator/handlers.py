@@ -131,7 +131,8 @@ def _reconcile_latest(
     # and wrote (the status this pass compares against must be the latest written).
     with model_lock(namespace, name):
         body = fresh
-        if body is None and child_event and not _model_unsure(namespace, name):
+        unsure = child_event and _model_unsure(namespace, name)
+        if body is None and child_event and not unsure:
             # The newest body the operator has seen (its watch, its reads, its status writes): a pass
             # after a child's event needs no read of its own. A spec change goes through the model's
             # own events, whose passes read the API.
@@ -139,6 +140,9 @@ def _reconcile_latest(
         if body is None:
             # `fresh`: the caller holds a body no pass has written to yet (a create event), as good as a read.
             body = cluster().get_flashmodel(namespace, name)
+            if unsure:
+                with _child_lock:
+                    _child_unsure.discard((namespace, name))
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         try:
@@ -169,16 +173,14 @@ _child_unsure: set[tuple[str, str]] = set()
 
 
 def _model_unsure(namespace: str, name: str) -> bool:
-    """True once after a child's deletion: the model's own deletion may be what caused it.
+    """True after a child's deletion, until a pass has read the model: its own deletion may be the cause.
 
     The garbage collector deletes a deleted model's children, and their events may come before the
     model's own DELETED event: a pass on the watched body would apply the Deployment of a model
     that is gone. A child going away is rare otherwise (a rollout, an eviction), so its pass reads.
     """
     with _child_lock:
-        unsure = (namespace, name) in _child_unsure
-        _child_unsure.discard((namespace, name))
-        return unsure
+        return (namespace, name) in _child_unsure
 
 
 def _child_going(namespace: str, name: str, event_type: str | None, body: kopf.Body) -> None:
