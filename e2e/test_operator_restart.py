@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.operator_run import ROOT, running_operator
@@ -69,18 +70,33 @@ def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_
         api = cp.api_client()
         apps = client.AppsV1Api(api)
         with running_operator(cp.kubeconfig, first_log) as first:
-            cp.kubectl("apply", "-n", ns, "-f", "-", input=models)
-            deadline = time.monotonic() + 120
-            # Looked for through the API client, not kubectl: a kubectl process takes longer to start
-            # than the operator takes to write all fifty Deployments.
-            while time.monotonic() < deadline:
-                listed = apps.list_namespaced_deployment(ns).items
-                if sum(1 for d in listed if d.metadata is not None and d.metadata.owner_references) >= 5:
-                    break
-                time.sleep(0.02)
+            # The kill is sent on the fifth Deployment's watch event, watched from before the models
+            # exist and while kubectl is still creating them: the operator writes a new model's
+            # Deployment in a few requests, all fifty faster than a list can be polled.
+            before = apps.list_namespaced_deployment(ns).metadata
+            assert before is not None
+            applying = subprocess.Popen(
+                ["kubectl", "apply", "-n", ns, "-f", "-"],
+                env=cp.env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            )
+            assert applying.stdin is not None
+            applying.stdin.write(models)
+            applying.stdin.close()
+            deployments = watch.Watch()  # type: ignore[no-untyped-call]
+            written: set[str] = set()
+            for event in deployments.stream(  # type: ignore[no-untyped-call]
+                apps.list_namespaced_deployment, ns, resource_version=before.resource_version, timeout_seconds=120
+            ):
+                if event["type"] == "ADDED" and event["object"].metadata.owner_references:
+                    written.add(event["object"].metadata.name)
+                    if len(written) >= 5:
+                        break
             # Killed, not stopped: no handler finishes, no progress annotation is written on the way out.
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+            deployments.stop()  # type: ignore[no-untyped-call]
+            _, errors = applying.communicate(timeout=120)
+            assert applying.returncode == 0, errors
         api.close()  # type: ignore[no-untyped-call]
         killed_at = _deployed(cp, ns)
         assert 5 <= killed_at < MODELS, f"the kill came when {killed_at} of {MODELS} models had a Deployment"
