@@ -95,8 +95,9 @@ def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
             deployments.stop()  # type: ignore[no-untyped-call]
-            _, errors = applying.communicate(timeout=120)
-            assert applying.returncode == 0, errors
+            assert applying.stderr is not None
+            errors = applying.stderr.read()
+            assert applying.wait(timeout=120) == 0, errors
         api.close()  # type: ignore[no-untyped-call]
         killed_at = _deployed(cp, ns)
         assert 5 <= killed_at < MODELS, f"the kill came when {killed_at} of {MODELS} models had a Deployment"
