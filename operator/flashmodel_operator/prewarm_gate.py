@@ -41,8 +41,9 @@ async def prewarm(
     record = watch.state.pods.setdefault(watch.name, PodRecord())
     record.template = watch.template
     if not spec.prewarm.enabled:
-        await open_or_hold(watch, fm, spec, record, "PrewarmDisabled", "spec.prewarm.enabled is false")
         record.prewarmed, record.reason = True, "PrewarmDisabled"
+        await watch.write_pods_status()
+        await open_or_hold(watch, fm, spec, record, "PrewarmDisabled", "spec.prewarm.enabled is false")
         await watch.write_pods_status()
         return current().monitor_seconds
     if watch.prewarm_failure is not None:
@@ -58,12 +59,15 @@ async def prewarm(
         watch.attempts = 0
         watch.divergent_since = watch.readyz_failing_since = None
         msg = f"{result.get('requests')} warm-up requests, cold TTFT {cold:.0f} ms, warm TTFT {warm:.0f} ms"
-        serves = await open_or_hold(watch, fm, spec, record, "PrewarmSucceeded", msg)
-        if not serves:
-            msg += "; held out of the Service as a standby"
         record.prewarmed, record.reason = True, None
         record.cold_ttft_ms, record.warm_ttft_ms = round(cold, 1), round(warm, 1)
         record.last_prewarm_time = now_iso()
+        # status.pods says the pod is prewarmed before its gate opens: the status's prewarmedReplicas
+        # counts open gates, so a reader never sees more prewarmed replicas than prewarmed entries.
+        await watch.write_pods_status()
+        serves = await open_or_hold(watch, fm, spec, record, "PrewarmSucceeded", msg)
+        if not serves:
+            msg += "; held out of the Service as a standby"
         await watch.api(watch.cluster.event, pod, "Normal", "Prewarmed", msg)
         log.info(
             "event=prewarmed model=%s/%s pod=%s cold_ms=%.1f warm_ms=%.1f seconds=%.1f standby=%s",

@@ -236,6 +236,45 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
     assert cluster.evictions == ["qwen-a"]
 
 
+class GateOrderCluster(BudgetCluster):
+    """Records, at the moment a pod's gate opens, what status.pods says of that pod."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(budget=3, history=[], namespace=namespace)
+        self.pods_at_gate_open: list[list[dict[str, Any]]] = []
+
+    def set_pod_condition(self, namespace: str, name: str, kind: str, value: bool, reason: str, message: str) -> None:
+        if kind == PREWARM_GATE and value:
+            self.pods_at_gate_open.append([dict(e) for e in self.fm["status"].get("pods") or []])
+
+
+class SucceedingShim(FailingShim):
+    async def prewarm(self, requests: int, prompts: list[str], timeout: float) -> dict[str, Any]:
+        self.prewarms += 1
+        return {"ok": True, "requests": requests, "coldTTFTMs": 900.0, "warmTTFTMs": 40.0}
+
+    async def metrics(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["prewarmed", "prewarm-disabled"])
+async def test_status_pods_says_prewarmed_before_the_gate_opens(enabled: bool) -> None:
+    # The status's prewarmedReplicas counts open gates: a status read between the gate opening and
+    # the pod's entry must not show more prewarmed replicas than prewarmed entries.
+    cluster = GateOrderCluster(namespace=f"ns-gate-order-{enabled}")
+    cluster.fm["spec"]["prewarm"] = {"enabled": enabled}
+    spec = FlashModelSpec.model_validate(cluster.fm["spec"])
+    pod: dict[str, Any] = {"metadata": {"name": "qwen-a", "namespace": cluster.fm["metadata"]["namespace"]}}
+    async with aiohttp.ClientSession() as session:
+        watch = PodWatch(cluster, session, cluster.fm["metadata"]["namespace"], "qwen-a", "qwen")
+        assert await prewarm(watch, pod, cluster.fm, spec, SucceedingShim()) is not None
+    assert len(cluster.pods_at_gate_open) == 1
+    [entries] = cluster.pods_at_gate_open
+    assert [(e["name"], e["prewarmed"]) for e in entries] == [("qwen-a", True)]
+    if enabled:
+        assert entries[0]["coldTTFTMs"] == 900.0 and entries[0]["warmTTFTMs"] == 40.0
+
+
 class ShimServer:
     """A real HTTP server with a shim's endpoints, counting the requests each path gets.
 
