@@ -551,7 +551,8 @@ def engine_section(
             port = servers[name].port
             sweep = loadgen(
                 ["sweep", "--url", f"http://127.0.0.1:{port}", "--concurrency", ",".join(map(str, CONCURRENCY)),
-                 "--num-requests", "64", "--label", name, "--seed", str(i)],
+                 "--num-requests", "64", "--label", name, "--seed", str(i),
+                 "--mean-input-tokens", str(args.tpot_input_tokens), "--spread", str(args.tpot_spread)],
                 work / f"sweep_{i}_{name}.json",
                 timeout=max(30.0, budget.left() - args.microbench_s),
             )  # fmt: skip
@@ -566,6 +567,10 @@ def engine_section(
             if runs
         }
         result["sweeps"] = sweeps
+        result["tpot_prompt_tokens"] = [
+            args.tpot_input_tokens - args.tpot_spread,
+            args.tpot_input_tokens + args.tpot_spread,
+        ]
         log(f"TPOT p50 ms: {result['tpot_p50_ms']}")
         if args.goodput:
             result["goodput_rps"] = {}
@@ -675,7 +680,10 @@ def markdown(report: dict[str, Any]) -> str:
             )
         tpot = engine.get("tpot_p50_ms") or {}
         if tpot:
+            lo, hi = engine.get("tpot_prompt_tokens") or ["?", "?"]
             lines += [
+                "",
+                f"TPOT sweeps: prompts of {lo}-{hi} tokens, 64 requests per concurrency.",
                 "",
                 "| concurrency | TRITON_ATTN TPOT p50 ms | tile TPOT p50 ms | tile / TRITON |",
                 "|---|---|---|---|",
@@ -726,6 +734,10 @@ def main() -> None:
     parser.add_argument(
         "--tpot-rounds", type=int, default=1, help="rounds of TPOT sweeps (TRITON, tile, tile, TRITON each); medians"
     )
+    parser.add_argument(
+        "--tpot-input-tokens", type=int, default=217, help="TPOT sweeps: mean prompt length (loadgen's default)"
+    )
+    parser.add_argument("--tpot-spread", type=int, default=96, help="TPOT sweeps: prompt lengths are mean +- spread")
     parser.add_argument("--skip", default="", help="comma list of sections to leave out: replays,engine,microbench")
     args = parser.parse_args()
     budget = Budget(args.budget_s)
