@@ -491,6 +491,67 @@ def loadgen(args: list[str], json_out: Path, timeout: float) -> dict[str, Any]:
     return result
 
 
+def rate_trials(
+    args: argparse.Namespace,
+    servers: dict[str, Server],
+    work: Path,
+    budget: Budget,
+    log: Callable[[str], None],
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Poisson trials at fixed rates, the two servers interleaved, ``--goodput-rounds`` times.
+
+    A search walks each server its own way through rates, so one noisy trial moves its answer by a
+    whole step; here both servers see the same rates in alternating order, round after round.
+    """
+    from bench.slo.loadgen import meets_slo
+
+    rates = [float(r) for r in args.goodput_rates.split(",")]
+    trials: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in servers}
+    for round_ in range(args.goodput_rounds):
+        order = ("triton", "tile") if round_ % 2 == 0 else ("tile", "triton")
+        for rate in rates:
+            for name in order:
+                if budget.left() < args.microbench_s + 30:
+                    log(f"rate trials: budget left {budget.left():.0f} s; stopped in round {round_}")
+                    return trials
+                requests = max(64, round(rate * args.goodput_trial_s))
+                json_out = work / f"rate_{round_}_{rate:g}_{name}.json"
+                try:
+                    loadgen(
+                        ["run", "--url", f"http://127.0.0.1:{servers[name].port}", "--rate", f"{rate:g}",
+                         "--num-requests", str(requests), "--seed", str(round_), "--label", name],
+                        json_out,
+                        timeout=max(30.0, budget.left() - args.microbench_s),
+                    )  # fmt: skip
+                except RuntimeError as exc:  # loadgen exits 1 when no request of the trial succeeded
+                    log(f"rate {rate:g} {name} round {round_}: {exc}")
+                    if not json_out.exists():
+                        raise
+                summary = json.loads(json_out.read_text())["runs"][0]["summary"]
+                trial = {
+                    "round": round_,
+                    "passed": meets_slo(summary, 300.0, 50.0),
+                    **{k: summary.get(k) for k in ("ttft_p99_ms", "tpot_p99_ms", "errors", "achieved_rps")},
+                }
+                trials[name].setdefault(f"{rate:g}", []).append(trial)
+                log(f"rate {rate:g} {name} round {round_}: {json.dumps(trial)}")
+    return trials
+
+
+def goodput_at_rates(trials: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, float | None]:
+    """Per server: the highest rate that, with every lower rate tried, passed in most of its rounds."""
+    out: dict[str, float | None] = {}
+    for name, by_rate in trials.items():
+        best: float | None = None
+        for rate in sorted(by_rate, key=float):
+            runs = by_rate[rate]
+            if 2 * sum(1 for t in runs if t["passed"]) <= len(runs):
+                break
+            best = float(rate)
+        out[name] = best
+    return out
+
+
 def engine_section(
     args: argparse.Namespace, out: Path, budget: Budget, log: Callable[[str], None], report: dict[str, Any]
 ) -> dict[str, Any]:
@@ -587,6 +648,10 @@ def engine_section(
                 )  # fmt: skip
                 result["goodput_rps"][name] = search["search"]["max_rate_rps"]
             log(f"goodput: {result['goodput_rps']}")
+        if args.goodput_rates:
+            result["rate_trials"] = rate_trials(args, servers, work, budget, log)
+            result["goodput_at_rates_rps"] = goodput_at_rates(result["rate_trials"])
+            log(f"goodput at fixed rates: {result['goodput_at_rates_rps']}")
         return result
     finally:
         for s in servers.values():
@@ -694,6 +759,23 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {c} | {a} | {b} | {ratio} |")
         if engine.get("goodput_rps"):
             lines.append(f"\n**Goodput** (TTFT p99 <= 300 ms, TPOT p99 <= 50 ms): {engine['goodput_rps']} req/s")
+        trials = engine.get("rate_trials") or {}
+        if trials:
+            lines += [
+                "",
+                f"**Goodput at fixed rates** (most rounds pass, lower rates too): {engine['goodput_at_rates_rps']}",
+                "",
+                "| rate | server | passed / rounds | TTFT p99 ms | TPOT p99 ms |",
+                "|---|---|---|---|---|",
+            ]
+            for rate in sorted({r for by_rate in trials.values() for r in by_rate}, key=float):
+                for name in ("triton", "tile"):
+                    runs = trials.get(name, {}).get(rate, [])
+                    if runs:
+                        ttft = " / ".join(f"{t['ttft_p99_ms']:.0f}" if t["ttft_p99_ms"] else "-" for t in runs)
+                        tpot = " / ".join(f"{t['tpot_p99_ms']:.1f}" if t["tpot_p99_ms"] else "-" for t in runs)
+                        passed = sum(1 for t in runs if t["passed"])
+                        lines.append(f"| {rate} | {name} | {passed} / {len(runs)} | {ttft} | {tpot} |")
         lines.append("")
     micro = report.get("microbench") or {}
     for kernel in ("tile", "tile_graph", "tile_graph_fused"):
@@ -738,6 +820,11 @@ def main() -> None:
         "--tpot-input-tokens", type=int, default=217, help="TPOT sweeps: mean prompt length (loadgen's default)"
     )
     parser.add_argument("--tpot-spread", type=int, default=96, help="TPOT sweeps: prompt lengths are mean +- spread")
+    parser.add_argument(
+        "--goodput-rates", default="", help="comma list: fixed-rate trials of both servers, interleaved (req/s)"
+    )
+    parser.add_argument("--goodput-rounds", type=int, default=3, help="rounds of --goodput-rates")
+    parser.add_argument("--goodput-trial-s", type=float, default=8.0, help="seconds of requests per rate trial")
     parser.add_argument("--skip", default="", help="comma list of sections to leave out: replays,engine,microbench")
     args = parser.parse_args()
     budget = Budget(args.budget_s)

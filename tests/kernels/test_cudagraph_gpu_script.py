@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from bench.kernels.cudagraph_gpu import ROOT, compare_greedy, fallback_lines, plugin_site, summarize_decode
+from bench.kernels.cudagraph_gpu import (
+    ROOT,
+    compare_greedy,
+    fallback_lines,
+    goodput_at_rates,
+    plugin_site,
+    summarize_decode,
+)
 
 # The issue's line: vLLM 0.26 cutting graphs back for a backend that declared NEVER.
 ISSUE_LINE = (
@@ -98,3 +105,16 @@ def test_plugin_site_is_an_installed_vllm_plugin(tmp_path: Path) -> None:
     assert (site / "flashmodel_kernels" / "graph.py").read_text() == (
         ROOT / "kernels" / "flashmodel_kernels" / "graph.py"
     ).read_text()
+
+
+def test_goodput_at_fixed_rates_needs_most_rounds_at_that_rate_and_every_lower_one() -> None:
+    def runs(*passed: bool) -> list[dict[str, Any]]:
+        return [{"passed": p} for p in passed]
+
+    trials = {
+        # 192 passes in most rounds but 160 does not: a lone pass above a failure is noise.
+        "tile": {"128": runs(True, True, True), "160": runs(True, False, False), "192": runs(True, True, False)},
+        "triton": {"128": runs(True, True, False), "192": runs(False, True, True), "256": runs(False, False, False)},
+        "none": {"128": runs(False, True)},  # a tie is not most rounds
+    }
+    assert goodput_at_rates(trials) == {"tile": 128.0, "triton": 192.0, "none": None}
