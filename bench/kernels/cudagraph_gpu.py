@@ -539,17 +539,13 @@ def rate_trials(
 
 
 def goodput_at_rates(trials: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, float | None]:
-    """Per server: the highest rate that, with every lower rate tried, passed in most of its rounds."""
-    out: dict[str, float | None] = {}
-    for name, by_rate in trials.items():
-        best: float | None = None
-        for rate in sorted(by_rate, key=float):
-            runs = by_rate[rate]
-            if 2 * sum(1 for t in runs if t["passed"]) <= len(runs):
-                break
-            best = float(rate)
-        out[name] = best
-    return out
+    """Per server: loadgen's goodput over fixed-rate rounds (most rounds pass, every lower rate too)."""
+    from bench.slo.loadgen import goodput_at_rates as highest_passing
+
+    return {
+        name: highest_passing({float(rate): [t["passed"] for t in runs] for rate, runs in by_rate.items()})
+        for name, by_rate in trials.items()
+    }
 
 
 def engine_section(

@@ -367,6 +367,8 @@ async def measure(url: str, case: GCase, env: slo_gpu.Env, search_s: float, out:
                 session, target, work, c, loadgen.RunLimits(num_requests=16 * c, request_timeout_s=120)
             )
             out[f"closed_c{c}"] = loadgen.summarize(res, wall)
+        if search_s <= 0:
+            return  # --fixed-rates measures this case's goodput beside the wave's other servers
         settings = search_settings(case, env, search_s)
         limits = loadgen.RunLimits(request_timeout_s=60, max_in_flight=1024)
         search = await loadgen.search_max_rate(session, target, work, settings, limits, seed=1)
@@ -376,6 +378,56 @@ async def measure(url: str, case: GCase, env: slo_gpu.Env, search_s: float, out:
         if search.get("warmup"):
             search["warmup"].pop("requests", None)
         out["search"] = search
+
+
+async def fixed_rates(
+    urls: dict[str, str], rates: list[float], rounds: int, trial_s: float, env: slo_gpu.Env
+) -> dict[str, Any]:
+    """Every server of a wave at the same Poisson rates, in turn, the order rotated each round.
+
+    A search per server walks its own way through the rates, and one noisy trial moves its answer by a
+    whole step (the 1.5B t4 / defaults ratio read 1.07-1.33 on three hosts): side by side at fixed
+    rates, both see the same rates in the same minutes.
+    """
+    trials: dict[str, dict[float, list[dict[str, Any]]]] = {name: {} for name in urls}
+    names = list(urls)
+    async with loadgen.new_session(1024) as session:
+        works = {}
+        for name, url in urls.items():
+            works[name] = await field_workload(loadgen.ServerTokenizer(session, loadgen.Target(url, "m")), 256, seed=0)
+        for round_ in range(rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for rate in rates:
+                for name in order:
+                    if env.left() < trial_s + 20:
+                        log("fixed_rates_stopped", round=round_, left_s=round(env.left()))
+                        return _fixed_summary(trials, rates, rounds, trial_s)
+                    target = loadgen.Target(urls[name], "m")
+                    trial = await loadgen.rate_trial(
+                        session, target, works[name], rate, trial_s, (SLO_TTFT_MS, SLO_TPOT_MS), seed=round_
+                    )
+                    summary = trial["summary"]
+                    kept = {k: summary.get(k) for k in ("ttft_p99_ms", "tpot_p99_ms", "e2e_p50_ms", "errors")}
+                    trials[name].setdefault(rate, []).append({"round": round_, "passed": trial["passed"], **kept})
+                    log("fixed_rate", case=name, rate=rate, round=round_, passed=trial["passed"], **kept)
+    return _fixed_summary(trials, rates, rounds, trial_s)
+
+
+def _fixed_summary(
+    trials: dict[str, dict[float, list[dict[str, Any]]]], rates: list[float], rounds: int, trial_s: float
+) -> dict[str, Any]:
+    return {
+        "rates": rates,
+        "rounds": rounds,
+        "trial_s": trial_s,
+        "cases": {
+            name: {
+                "goodput_rps": loadgen.goodput_at_rates({r: [t["passed"] for t in ts] for r, ts in by_rate.items()}),
+                "trials": {f"{r:g}": ts for r, ts in by_rate.items()},
+            }
+            for name, by_rate in trials.items()
+        },
+    }
 
 
 def bench_serve_args(url: str, model: Path, c: int, seed: int) -> list[str]:
@@ -615,6 +667,24 @@ def markdown(results: dict[str, Any]) -> str:
             f"{e['ratio']:g} (between {e['ratio_low']} and {e['ratio_high']}); "
             f"TPOT p50 c=1 ratio {e['tpot_c1_ratio']}"
         )
+    for fixed in results.get("fixed_rates") or []:
+        cases = fixed["cases"]
+        goodput = ", ".join(f"{name} {c['goodput_rps']}" for name, c in cases.items())
+        lines += [
+            "",
+            f"goodput at fixed rates ({fixed['rounds']} rounds of {fixed['trial_s']:g} s, most rounds and every lower "
+            f"rate pass): {goodput}",
+            "",
+            "| rate | " + " | ".join(cases) + " |",
+            "|---|" + "---|" * len(cases),
+        ]
+        for rate in fixed["rates"]:
+            cells = []
+            for c in cases.values():
+                ts = c["trials"].get(f"{rate:g}", [])
+                p99 = " / ".join(f"{t['ttft_p99_ms']:.0f}" if t["ttft_p99_ms"] else "-" for t in ts)
+                cells.append(f"{sum(1 for t in ts if t['passed'])}/{len(ts)} ({p99})" if ts else "")
+            lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
     for v in slo_gpu._get(results, "cross_check", "verdict") or []:
         lines.append(
             f"cross-check c={v['concurrency']} {v['metric']}: loadgen {v['loadgen']} vs vllm bench "
@@ -715,6 +785,7 @@ def run_wave(
     """Start a wave's servers together, then measure them one at a time while the others sit idle:
     the start-ups share the wait, the measurements share nothing."""
     servers: dict[str, tuple[slo_gpu.Server, int]] = {}
+    kept: dict[str, str] = {}
     t_start = time.monotonic()
     for case in wave:
         argv, cenv = envs[case.name]
@@ -754,13 +825,25 @@ def run_wave(
             log("case_failed", case=case.name, error=str(e)[:300])
         r["process_gpu_mib"] = process_memory_mib(server.proc.pid)
         r["case_seconds"] = round(time.monotonic() - t0, 1)
-        server.stop()
+        if a.fixed_rates and "error" not in r:
+            kept[case.name] = url  # stopped after the wave's fixed-rate trials
+        else:
+            server.stop()
         r["log_facts"] = log_facts(server.log_path.read_text(errors="replace"))
         if case.cross_check and "error" not in r and env.left() > 400 and not a.no_restart:
             # Early in the run: the one start-up on warm caches the profile's cache volume promises.
             results["restart"] = restart(case.name, *envs[case.name], env)
         save(results, env)
         log("case_done", **{k: v for k, v in row(case.name, r).items() if v is not None})
+    if kept:
+        rates = [float(x) for x in a.fixed_rates.split(",")]
+        try:
+            measured = loadgen.run_async(fixed_rates(kept, rates, a.fixed_rounds, a.fixed_trial_s, env))
+            results.setdefault("fixed_rates", []).append(measured)
+        finally:
+            for name in kept:
+                servers[name][0].stop()
+        save(results, env)
 
 
 def main() -> int:
@@ -787,6 +870,11 @@ def main() -> int:
     p.add_argument("--startup-s", type=float, default=600.0, help="wait this long for the servers to come up")
     p.add_argument("--max-servers", type=int, default=0, help="servers per wave (default: what the card holds)")
     p.add_argument("--no-restart", action="store_true", help="skip the restart on warm compile caches")
+    p.add_argument(
+        "--fixed-rates", default="", help="comma list (req/s): goodput from fixed-rate trials of a wave's servers"
+    )
+    p.add_argument("--fixed-rounds", type=int, default=3, help="rounds of --fixed-rates, the order rotated each")
+    p.add_argument("--fixed-trial-s", type=float, default=6.0, help="seconds of requests per fixed-rate trial")
     a = p.parse_args()
     env = slo_gpu.Env(
         out=Path(a.out),
@@ -808,7 +896,8 @@ def main() -> int:
         cases = slo_gpu.select_cases(cases, a.only, hint="")
     except ValueError as e:
         p.error(str(e))
-    search_s = a.search_s or (30.0 if a.smoke_cpu else 100.0)
+    # With --fixed-rates the wave's trials give the goodput: no search unless --search-s asks for one.
+    search_s = a.search_s if a.fixed_rates else a.search_s or (30.0 if a.smoke_cpu else 100.0)
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "smoke_cpu": a.smoke_cpu,

@@ -30,7 +30,7 @@ import resource
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
 
@@ -750,6 +750,37 @@ class SearchSettings:
 def trial_requests(rate: float, s: SearchSettings) -> int:
     """Enough requests for a p99 to mean something, few enough to keep the trial short."""
     return max(s.trial_min_requests, min(s.trial_max_requests, math.ceil(rate * s.trial_seconds)))
+
+
+def goodput_at_rates(passed: Mapping[float, Sequence[bool]]) -> float | None:
+    """The highest rate that passed in most of its rounds, with every lower rate tried doing so too.
+
+    For fixed-rate trials of several servers interleaved over rounds: a search walks each server its
+    own way through the rates, so one noisy trial moves its answer by a whole step.
+    """
+    best: float | None = None
+    for rate in sorted(passed):
+        rounds = passed[rate]
+        if 2 * sum(1 for ok in rounds if ok) <= len(rounds):
+            break
+        best = rate
+    return best
+
+
+async def rate_trial(
+    session: aiohttp.ClientSession,
+    target: Target,
+    workload: Workload,
+    rate: float,
+    seconds: float,
+    slo: tuple[float, float],
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One Poisson trial of `seconds` at `rate` (at least 64 requests); passed: within (TTFT, TPOT) p99."""
+    limits = RunLimits(num_requests=max(64, round(rate * seconds)), request_timeout_s=60, max_in_flight=1024)
+    res, wall = await run_open_loop(session, target, workload, rate, limits, seed)
+    summary = summarize(res, wall)
+    return {"rate_rps": rate, "passed": meets_slo(summary, *slo), "summary": summary}
 
 
 def bracket(passed: dict[float, bool]) -> tuple[float | None, float | None]:

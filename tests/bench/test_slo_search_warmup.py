@@ -217,3 +217,21 @@ async def test_a_plain_overload_is_not_run_again_but_a_stall_is() -> None:
     outcomes = {64.0: [(0.05, 1.0)], 128.0: [(6.0, 0.6), (6.0, 0.6)], 96.0: [(0.05, 1.0)]}
     await _search_offline(default, _fixed_trial(outcomes, calls))
     assert calls == [32, 64, 128, 128, 96]
+
+
+async def test_a_fixed_rate_trial_reports_the_slo_of_what_it_sent(cold_server: tuple[str, ColdServer]) -> None:
+    url, server = cold_server
+    async with loadgen.new_session(64) as session:
+        # The first trial meets the one-off stall (TTFT p99 over 300 ms), the second runs warm.
+        cold = await loadgen.rate_trial(session, Target(url, "m"), WORKLOAD, 16.0, 1.0, (300.0, 50.0))
+        warm = await loadgen.rate_trial(session, Target(url, "m"), WORKLOAD, 16.0, 1.0, (300.0, 50.0))
+    assert server.stalls == 1
+    assert cold["summary"]["requests"] == warm["summary"]["requests"] == 64  # at least 64 requests a trial
+    assert not cold["passed"] and cold["summary"]["ttft_p99_ms"] > 300
+    assert warm["passed"] and warm["summary"]["tpot_p99_ms"] < 50
+
+
+def test_goodput_at_fixed_rates_needs_most_rounds_there_and_at_every_lower_rate() -> None:
+    assert loadgen.goodput_at_rates({8.0: [True, True, False], 16.0: [True, False, False], 32.0: [True] * 3}) == 8.0
+    assert loadgen.goodput_at_rates({8.0: [True, False]}) is None  # a tie is not most rounds
+    assert loadgen.goodput_at_rates({16.0: [True, True, True], 8.0: [True, True, True]}) == 16.0
