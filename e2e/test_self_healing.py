@@ -134,6 +134,8 @@ def test_prewarm_gates_traffic_then_model_ready(
     assert len(status["pods"]) == 2
     for entry in status["pods"]:
         assert entry["prewarmed"] is True and entry["coldTTFTMs"] > 0 and entry["warmTTFTMs"] > 0
+    # Watched, prewarmed and gated without a finalizer: nothing of the operator's holds a pod's deletion.
+    assert not [p["metadata"]["finalizers"] for p in _pods(control_plane, ns) if p["metadata"].get("finalizers")]
     slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={MODEL}")["items"]
     ready_ips = {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
     assert ready_ips == {p.ip for p in kubelet.pods.values()}

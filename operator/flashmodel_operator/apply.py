@@ -53,6 +53,7 @@ def transient(exc: BaseException) -> bool:
         return exc.status in RETRY_STATUSES or not exc.status
     return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
 
+
 # Where each child kind lives in the REST API (the operator writes no other kinds).
 _PATHS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "/api/v1/namespaces/{ns}/configmaps",
@@ -334,6 +335,29 @@ class Cluster:
             kind="Pod",
             content_type="application/strategic-merge-patch+json",
         )
+
+    def remove_finalizer(
+        self, api_version: str, kind: str, namespace: str, name: str, finalizer: str, index: int
+    ) -> bool:
+        """Remove one finalizer by its index, tested first: False when the object or that entry is gone.
+
+        A JSON patch with a test keeps the other finalizers (a merge patch would replace the list)
+        and cannot remove the wrong entry when the list changed since it was read.
+        """
+        path = f"/metadata/finalizers/{index}"
+        try:
+            self._call(
+                "PATCH",
+                f"{collection_path(api_version, kind, namespace)}/{name}",
+                body=[{"op": "test", "path": path, "value": finalizer}, {"op": "remove", "path": path}],
+                kind=kind,
+                content_type="application/json-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):  # 422: the test failed, the list is not what was read
+                return False
+            raise
+        return True
 
     def evict(self, namespace: str, name: str) -> Literal["evicted", "blocked", "gone"]:
         """Evict through the Eviction API, so PodDisruptionBudgets hold; 'blocked' when a budget says no."""

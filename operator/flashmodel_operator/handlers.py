@@ -23,6 +23,7 @@ from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.pod_tasks import EnginePodTasks, StopRequest
 from flashmodel_operator.reconcile import (
     SECRET_WAIT_REASONS,
     forget_model,
@@ -53,6 +54,23 @@ CHILDREN = ChildCache()
 """Every model's Deployment and pods as their watches last delivered them: what a child event's pass reads."""
 
 
+async def watch_engine_pod(namespace: str, name: str, body: dict[str, Any], stopped: StopRequest) -> None:
+    """Prewarm the pod, flip its readiness gate, then watch it until it goes away."""
+    model = model_of(dict((body.get("metadata") or {}).get("labels") or {}))
+    if model is None:
+        return
+    watch = PodWatch(cluster(), shim_session(), namespace, name, model, live_body=body, flashmodels=cached_flashmodel)
+    await watch.run(stopped)
+
+
+async def release_finalizer(namespace: str, name: str, finalizer: str, index: int) -> bool:
+    return await asyncio.to_thread(cluster().remove_finalizer, "v1", "Pod", namespace, name, finalizer, index)
+
+
+ENGINE_PODS = EnginePodTasks(watch_engine_pod, release_finalizer, backoff=HANDLER_BACKOFF_SECONDS, grace=5.0)
+"""Every engine pod's watch task, started and stopped by the pods' watch events (no kopf daemon: no finalizer)."""
+
+
 def cluster() -> Cluster:
     """The one API client of this process, made on first use (after kopf has logged in)."""
     global _cluster
@@ -80,6 +98,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 0.5
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    # What an older operator's pod daemons left on engine pods, which the pod watches remove.
+    ENGINE_PODS.finalizer = settings.persistence.finalizer
     # A socket per engine pod's kept-alive shim connection: a 1,000-pod fleet must not hit the
     # usual soft limit of 1,024 open files (the hard limit is the node's to set).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -102,6 +122,8 @@ async def stop(**_: Any) -> None:
     global _shim_session
     if _resync_task is not None:
         _resync_task.cancel()
+    # Before the shim session closes: a watch's last step may still use it.
+    await ENGINE_PODS.stop_all()
     if _shim_session is not None:
         await _shim_session.close()
         _shim_session = None
@@ -335,6 +357,14 @@ def on_deployment_event(body: kopf.Body, namespace: str | None, type: str | None
         reconcile_for_child(namespace, owner)
 
 
+# Registered before on_pod_event: kopf runs a pod's event handlers in this order, and a new pod's
+# watch (its prewarm) must not wait for the model's reconcile pass.
+@kopf.on.event("", "v1", "pods", labels=_OWNED)
+async def engine_pod(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """Start the pod's watch on its first event (kopf's first listing included), stop it when the pod goes."""
+    await ENGINE_PODS.event(type, body)
+
+
 @kopf.on.event("", "v1", "pods", labels=_OWNED)
 def on_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
     # Pods belong to ReplicaSets; the model label names the FlashModel directly.
@@ -352,15 +382,3 @@ def on_hpa_event(body: kopf.Body, namespace: str | None, type: str, **_: Any) ->
     model = (body.get("metadata", {}).get("labels") or {}).get(f"{GROUP}/model")
     if model and type != "DELETED":
         reconcile_for_child(namespace, model)
-
-
-@kopf.daemon("", "v1", "pods", labels=_OWNED, cancellation_timeout=5, backoff=HANDLER_BACKOFF_SECONDS)
-async def engine_pod(
-    namespace: str | None, name: str, labels: kopf.Labels, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
-) -> None:
-    """Prewarm the pod, flip its readiness gate, then watch it until it goes away."""
-    model = model_of(dict(labels))
-    if namespace is None or model is None:
-        return
-    watch = PodWatch(cluster(), shim_session(), namespace, name, model, live_body=body, flashmodels=cached_flashmodel)
-    await watch.run(stopped)
