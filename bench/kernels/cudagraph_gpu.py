@@ -503,7 +503,7 @@ def rate_trials(
     A search walks each server its own way through rates, so one noisy trial moves its answer by a
     whole step; here both servers see the same rates in alternating order, round after round.
     """
-    from bench.slo.loadgen import meets_slo
+    from bench.slo.loadgen import fixed_trial_requests, meets_slo
 
     rates = [float(r) for r in args.goodput_rates.split(",")]
     trials: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in servers}
@@ -514,7 +514,7 @@ def rate_trials(
                 if budget.left() < args.microbench_s + 30:
                     log(f"rate trials: budget left {budget.left():.0f} s; stopped in round {round_}")
                     return trials
-                requests = max(64, round(rate * args.goodput_trial_s))
+                requests = fixed_trial_requests(rate, args.goodput_trial_s)
                 json_out = work / f"rate_{round_}_{rate:g}_{name}.json"
                 try:
                     loadgen(

@@ -767,6 +767,11 @@ def goodput_at_rates(passed: Mapping[float, Sequence[bool]]) -> float | None:
     return best
 
 
+def fixed_trial_requests(rate: float, seconds: float) -> int:
+    """Requests in a fixed-rate trial: `seconds` of them at `rate`, at least 64 for a p99 to mean something."""
+    return max(64, round(rate * seconds))
+
+
 async def rate_trial(
     session: aiohttp.ClientSession,
     target: Target,
@@ -776,8 +781,8 @@ async def rate_trial(
     slo: tuple[float, float],
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One Poisson trial of `seconds` at `rate` (at least 64 requests); passed: within (TTFT, TPOT) p99."""
-    limits = RunLimits(num_requests=max(64, round(rate * seconds)), request_timeout_s=60, max_in_flight=1024)
+    """One Poisson trial of `seconds` at `rate`; passed: within (TTFT, TPOT) p99."""
+    limits = RunLimits(num_requests=fixed_trial_requests(rate, seconds), request_timeout_s=60, max_in_flight=1024)
     res, wall = await run_open_loop(session, target, workload, rate, limits, seed)
     summary = summarize(res, wall)
     return {"rate_rps": rate, "passed": meets_slo(summary, *slo), "summary": summary}

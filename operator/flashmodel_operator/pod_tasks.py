@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,9 +89,6 @@ class EnginePodTasks:
 
     def __len__(self) -> int:
         return len(self._pods)
-
-    def __iter__(self) -> Iterator[PodKey]:
-        return iter(list(self._pods))
 
     def get(self, namespace: str, name: str) -> PodTask | None:
         return self._pods.get((namespace, name))
