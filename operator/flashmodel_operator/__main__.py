@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from flashmodel_operator import settings
 
 
 def main() -> None:
+    if "PYTHONMALLOC" not in os.environ:
+        # glibc's allocator, so freed memory can go back to the system (flashmodel_operator.heap);
+        # only the interpreter's start chooses it. Set PYTHONMALLOC yourself to choose another.
+        os.environ["PYTHONMALLOC"] = "malloc"
+        os.execv(sys.executable, [sys.executable, "-m", "flashmodel_operator", *sys.argv[1:]])
     # kopf's own CLI parses the options (--all-namespaces, --namespace, --peering, --liveness,
     # --standalone); this entry point only pins which module holds the handlers.
     try:

@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION
+from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
 from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.gating import PodWatch, model_of
@@ -45,6 +45,7 @@ _OWNED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 _cluster: Cluster | None = None
 _shim_session: aiohttp.ClientSession | None = None
 _resync_task: asyncio.Task[None] | None = None
+_trim_task: asyncio.Task[None] | None = None
 
 FLASHMODELS = WatchedModels()
 """Every FlashModel as the operator last saw it (its watch, its reads, its status writes): what a child
@@ -112,16 +113,19 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.startup()
 async def start_resync(**_: Any) -> None:
-    global _resync_task
+    global _resync_task, _trim_task
     if current().resync_seconds > 0:
         _resync_task = asyncio.create_task(resync_fleet(current().resync_seconds))
+    if current().heap_trim_seconds > 0 and heap.can_trim():
+        _trim_task = asyncio.create_task(heap.trim_periodically(current().heap_trim_seconds))
 
 
 @kopf.on.cleanup()
 async def stop(**_: Any) -> None:
     global _shim_session
-    if _resync_task is not None:
-        _resync_task.cancel()
+    for task in (_resync_task, _trim_task):
+        if task is not None:
+            task.cancel()
     # Before the shim session closes: a watch's last step may still use it.
     await ENGINE_PODS.stop_all()
     if _shim_session is not None:

@@ -29,6 +29,8 @@ class OperatorSettings:
     """How soon kopf runs a failed handler again (its default is 60 s: one dropped request cost a minute)."""
     metrics_port: int = 8090
     """The operator's own /metrics; 0 turns it off."""
+    heap_trim_seconds: float = 30.0
+    """How often the operator hands freed heap pages back to the system (flashmodel_operator.heap); 0 turns it off."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> OperatorSettings:

@@ -208,3 +208,17 @@ async def test_a_pod_without_our_finalizer_costs_no_write(event_type: str | None
     await pods.event(event_type, _pod(finalizers=["example.com/keep"]))
     assert release.calls == []
     await pods.stop_all()
+
+
+async def test_the_watch_keeps_the_pod_without_managed_fields_and_sees_every_other_field() -> None:
+    watches = Watches()
+    pods = EnginePodTasks(watches, NoRelease(), backoff=0.05, grace=0.5)
+    fields = [{"manager": "kubelet", "operation": "Update", "fieldsV1": {"f:status": {}}}]
+    await pods.event("ADDED", _pod(managedFields=fields, labels={"serving.flashmodel.io/model": "qwen"}))
+    await pods.event("MODIFIED", _pod(phase="Running", managedFields=fields, labels={"a": "b"}))
+    entry = pods.get("ns", "qwen-abc")
+    assert entry is not None
+    assert "managedFields" not in entry.body["metadata"]
+    assert entry.body["metadata"]["labels"] == {"a": "b"}
+    assert entry.body["status"] == {"phase": "Running"}
+    await pods.stop_all()
