@@ -234,6 +234,7 @@ class Cluster:
         live: dict[str, Any] | None = None,
         spec_matched: bool = False,
         matched: Callable[[dict[str, Any], str], None] | None = None,
+        digest: str | None = None,
     ) -> ApplyResult:
         """Server-side apply `desired` unless the live object already matches it; force only on our children.
 
@@ -243,9 +244,11 @@ class Cluster:
         `spec_matched`: the caller vouches that live's spec, which it may leave out, holds desired's (a
         whole compare matched it at live's generation). `matched`: told of each whole live object found
         to hold `desired` (compared, or the server's answer to the apply), with desired's digest.
+        `digest`: content_hash(desired) where the caller has it already (a Deployment's hash is the
+        pass's costliest step after its requests).
         """
         meta = desired["metadata"]
-        digest = content_hash(desired)
+        digest = digest or content_hash(desired)
         if live is None and not known_absent:
             live = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         if live is not None:

@@ -343,10 +343,10 @@ class PassReads:
         """
         listings, pod_listings = self.cache.listings if self.cache is not None else (0, 0)
         live, spec_matched = None, False
+        digest = content_hash(desired)
         if self.from_watch:
             live = self.deployment()
             if live is not None and "spec" not in live:
-                digest = content_hash(desired)
                 if self.cache is not None and self.cache.spec_matched(self.namespace, self.name, live, digest):
                     spec_matched = True
                 else:
@@ -360,7 +360,7 @@ class PassReads:
             self._deployment_now = whole
 
         result = self.cluster.apply(
-            desired, known_absent=known_absent, live=live, spec_matched=spec_matched, matched=matched
+            desired, known_absent=known_absent, live=live, spec_matched=spec_matched, matched=matched, digest=digest
         )
         made = self._deployment_now if result == "created" else None
         created = None if made is None else resource_version(made)

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
 from flashmodel_operator.apply import Cluster, namespace_terminating
 from flashmodel_operator.child_cache import ChildCache
+from flashmodel_operator.diffbase import LeanDiffBaseStorage
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.pod_tasks import EnginePodTasks, StopRequest
@@ -97,7 +98,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf's own requests (its progress annotations, the watch streams) retry sooner than its defaults.
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
     settings.watching.reconnect_backoff = 0.5
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
+    # kopf logs "Handler ... succeeded" for every handled watch event (ten lines a new model, the
+    # log's bulk and a few percent of a burst's CPU); the operator logs what changed itself.
+    # kopf's warnings and errors (a failed handler, a retry) still show, and --verbose shows all.
+    kopf_objects = logging.getLogger("kopf.objects")
+    if kopf_objects.getEffectiveLevel() == logging.INFO:
+        kopf_objects.setLevel(logging.WARNING)
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     # What an older operator's pod daemons left on engine pods, which the pod watches remove.
     ENGINE_PODS.finalizer = settings.persistence.finalizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -133,7 +134,12 @@ class EnginePodTasks:
 
     def _start(self, key: PodKey, uid: str, body: dict[str, Any]) -> None:
         entry = PodTask(uid=uid, body=body)
-        entry.task = asyncio.create_task(self._supervise(key, entry), name=f"pod-watch:{key[0]}/{key[1]}")
+        # A context of its own: the task would otherwise keep a copy of the context it was started
+        # in, which is kopf's handler context, holding the first event's cause and its whole body
+        # for the pod's life.
+        entry.task = asyncio.create_task(
+            self._supervise(key, entry), name=f"pod-watch:{key[0]}/{key[1]}", context=contextvars.Context()
+        )
         self._pods[key] = entry
 
     def _stop(self, key: PodKey) -> None:

@@ -138,6 +138,7 @@ class FlakyCluster(Cluster):
         live: dict[str, Any] | None = None,
         spec_matched: bool = False,
         matched: Callable[[dict[str, Any], str], None] | None = None,
+        digest: str | None = None,
     ) -> Literal["created", "updated", "unchanged"]:
         raise ApiException(status=503, reason="Service Unavailable")
 

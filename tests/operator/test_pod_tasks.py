@@ -222,3 +222,20 @@ async def test_the_watch_keeps_the_pod_without_managed_fields_and_sees_every_oth
     assert entry.body["metadata"]["labels"] == {"a": "b"}
     assert entry.body["status"] == {"phase": "Running"}
     await pods.stop_all()
+
+
+async def test_a_watch_runs_in_a_context_of_its_own_not_the_handler_that_started_it() -> None:
+    import contextvars
+
+    cause: contextvars.ContextVar[str] = contextvars.ContextVar("cause", default="none")
+    seen: list[str] = []
+
+    async def watch(namespace: str, name: str, body: dict[str, Any], stopped: StopRequest) -> None:
+        seen.append(cause.get())
+
+    pods = EnginePodTasks(watch, NoRelease(), backoff=0.05, grace=0.5)
+    cause.set("kopf's cause of the first event, with its whole body")
+    await pods.event("ADDED", _pod())
+    await asyncio.sleep(0.02)
+    assert seen == ["none"]
+    await pods.stop_all()
