@@ -13,10 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import logging
 from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 
 def _glibc_trim() -> Callable[[], bool] | None:
