@@ -422,6 +422,7 @@ def main() -> int:
                     # the API server and this process more CPU than the operator's passes it waited on.
                     fleet.wait("burst statuses", lambda: all(k in fleet.status_at for k in keys), 300)
                     all_status = max(fleet.status_at[k] for k in keys) - t0
+                    cpu_to_status = cpu_seconds(proc.pid) - c0
                     fleet.wait("burst prewarmed", lambda: fleet.prewarmed(keys) >= len(keys), 600)
                     all_prewarmed = time.monotonic() - t0
                     burst_a1 = apiserver_counts(cp)
@@ -438,7 +439,13 @@ def main() -> int:
                         "all_children_s": round(all_children, 1),
                         "all_status_s": round(all_status, 1),
                         "all_prewarmed_s": round(all_prewarmed, 1),
+                        # Whether the last status is a straggler or the end of a steady rate.
+                        "status_s_quantiles": {
+                            f"p{q}": round(percentile([fleet.status_at[k] - t0 for k in keys], q), 1)
+                            for q in (10, 50, 90, 99)
+                        },
                         "operator_cpu_s": round(cpu_seconds(proc.pid) - c0, 1),
+                        "operator_cpu_to_all_status_s": round(cpu_to_status, 1),
                         # This process's own watches and creates, on the same two cores.
                         "benchmark_cpu_s": round(sum(os.times()[:2]) - sum(own0[:2]), 1),
                         "load_before": load0,

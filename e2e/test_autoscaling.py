@@ -120,6 +120,14 @@ def _events(cp: ControlPlane, ns: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in items if e["reason"] == reason]
 
 
+def _wait_for_scaled_event(cp: ControlPlane, ns: str, change: str) -> None:
+    """The operator posts a Scaled event naming the HPA from the pass that sees the new spec.replicas, a
+    moment after the HPA writes it; the event is waited for, not read once."""
+    wait_for(f"a Scaled {change} event naming the HPA", lambda: [
+        e for e in _events(cp, ns, "Scaled") if change in e["message"] and f"keda-hpa-{MODEL}" in e["message"]
+    ], timeout=30, interval=1)
+
+
 def test_the_hpa_reads_the_models_own_series_through_prometheus_and_keda(
     control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
 ) -> None:
@@ -157,8 +165,7 @@ def test_load_at_three_times_the_target_scales_to_two_within_three_minutes(
         wait_for("spec.replicas 2", lambda: _fm(control_plane, ns)["spec"]["replicas"] == 2, timeout=180, interval=1)
         scaled_after = time.monotonic() - t0
         print(f"bench: load at target {TARGET_RPS} req/s per replica -> spec.replicas 2 after {scaled_after:.1f}s")
-        scaled = _events(control_plane, ns, "Scaled")
-        assert any("1 -> 2" in e["message"] and f"keda-hpa-{MODEL}" in e["message"] for e in scaled), scaled
+        _wait_for_scaled_event(control_plane, ns, "1 -> 2")
         wait_for("both pods prewarmed, model Ready", lambda: _ready_with(control_plane, ns, 2),
                  timeout=ENGINE_START_TIMEOUT, interval=2)
         print(f"bench: load -> 2 pods prewarmed and Ready {time.monotonic() - t0:.1f}s")
@@ -208,7 +215,7 @@ def test_when_the_load_falls_it_scales_back_and_the_removed_pod_loses_no_request
           f"lost={len(load.lost)} refused-and-retried={load.refused}")
     assert not load.lost, f"requests lost in the scale-down: {load.lost[:5]}"
     assert load.completed >= 3
-    assert any("2 -> 1" in e["message"] for e in _events(control_plane, ns, "Scaled"))
+    _wait_for_scaled_event(control_plane, ns, "2 -> 1")
 
 
 def test_with_prometheus_or_the_metrics_adapter_down_the_condition_says_so_within_a_minute(
