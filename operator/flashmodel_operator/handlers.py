@@ -8,6 +8,8 @@ import functools
 import logging
 import resource
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -19,7 +21,7 @@ from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
-from flashmodel_operator.apply import Cluster, namespace_terminating
+from flashmodel_operator.apply import Cluster, namespace_terminating, transient
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.diffbase import LeanDiffBaseStorage
 from flashmodel_operator.gating import PodWatch, model_of
@@ -135,6 +137,8 @@ async def stop(**_: Any) -> None:
             task.cancel()
     # Before the shim session closes: a watch's last step may still use it.
     await ENGINE_PODS.stop_all()
+    # The passes already queued for children's events end before the API client goes.
+    await asyncio.to_thread(drain_child_passes, 10.0)
     if _shim_session is not None:
         await _shim_session.close()
         _shim_session = None
@@ -199,10 +203,17 @@ def _reconcile_latest(
 
 
 _child_lock = threading.Lock()
+_child_queued: set[tuple[str, str]] = set()
 _child_running: set[tuple[str, str]] = set()
 _child_again: set[tuple[str, str]] = set()
 _child_unsure: set[tuple[str, str]] = set()
 """Models whose next child pass reads the model from the API: one of their children is going away."""
+
+CHILD_PASS_WORKERS = 8
+_child_passes = ThreadPoolExecutor(max_workers=CHILD_PASS_WORKERS, thread_name_prefix="child-pass")
+"""The passes for children's events, apart from kopf's handler threads: a burst of new models' events (their
+Deployments' and pods' every change) queues here, and their first passes, in kopf's threads, do not wait
+behind it. The fewer threads, the more of a model's events fold into one pass while it waits its turn."""
 
 
 def _model_unsure(namespace: str, name: str) -> bool:
@@ -223,30 +234,46 @@ def _child_going(namespace: str, name: str, event_type: str | None, body: kopf.B
 
 
 def reconcile_for_child(namespace: str | None, name: str) -> None:
-    """A pass for a child's event (its Deployment, pods, HPA), folding events that arrive meanwhile into one more.
+    """Queue a pass for a child's event (its Deployment, pods, HPA); events that find one queued or running fold in.
 
     A new model's pods and Deployment change a dozen times in its first seconds (scheduled, running,
-    gated, ready; the ReplicaSet's counts), each a watch event. A pass reads the latest of everything,
-    so events that arrive while one runs need one pass after it, not one each: in a burst of 300 new
-    models that is most of the passes.
+    gated, ready; the ReplicaSet's counts), each a watch event. A pass reads the latest of everything
+    (the caller has put the event's object in CHILDREN), so events that arrive while one waits need
+    no pass of their own, and those that arrive while one runs need one more after it: in a burst of
+    300 new models that is most of the passes, and each pass that writes is a FlashModel status write.
     """
     if namespace is None:
         return
     key = (namespace, name)
     with _child_lock:
+        if key in _child_queued:
+            return  # the queued pass has not read anything yet
         if key in _child_running:
             _child_again.add(key)  # the running pass goes once more when it is done
             return
+        _child_queued.add(key)
+    _child_passes.submit(_child_pass, key)
+
+
+def _child_pass(key: tuple[str, str]) -> None:
+    namespace, name = key
+    with _child_lock:
+        _child_queued.discard(key)
         _child_running.add(key)
     try:
         while True:
             try:
                 _reconcile_latest(namespace, name, child_event=True)
-            except Exception:
+            except Exception as exc:
                 with _child_lock:
-                    if key not in _child_again:
-                        raise
-                # An event came during the failed pass: its own pass would have run; this one does.
+                    again = key in _child_again
+                # An event came during the failed pass: its own pass runs now. Otherwise the model's next
+                # event, or the resync, tries again.
+                if not again and transient(exc):
+                    error = f"{type(exc).__name__}: {exc}"
+                    log.warning("event=child-pass-failed model=%s/%s error=%s", namespace, name, error)
+                elif not again:
+                    log.exception("event=child-pass-failed model=%s/%s", namespace, name)
             with _child_lock:
                 if key not in _child_again:
                     break
@@ -255,6 +282,17 @@ def reconcile_for_child(namespace: str | None, name: str) -> None:
         with _child_lock:
             _child_running.discard(key)
             _child_again.discard(key)
+
+
+def drain_child_passes(timeout: float) -> bool:
+    """Wait until no child pass is queued or running (False if some still are after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with _child_lock:
+            if not _child_queued and not _child_running:
+                return True
+        time.sleep(0.02)
+    return False
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, backoff=HANDLER_BACKOFF_SECONDS)

@@ -67,12 +67,45 @@ def test_child_events_during_a_pass_fold_into_one_more_pass(monkeypatch: pytest.
             release.wait(5)
 
     monkeypatch.setattr(handlers, "_reconcile_latest", reconcile)
-    first = threading.Thread(target=handlers.reconcile_for_child, args=("ns", "qwen"))
-    first.start()
+    handlers.reconcile_for_child("ns", "qwen")  # queued: the handler's thread is not held
     assert started.wait(5)
     for _ in range(10):
-        handlers.reconcile_for_child("ns", "qwen")  # returns at once: the running pass will go again
+        handlers.reconcile_for_child("ns", "qwen")  # the running pass will go again
     handlers.reconcile_for_child("ns", "other")  # another model is not held up
+    deadline = time.monotonic() + 5
+    while len(passes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert passes == ["qwen", "other"]
     release.set()
-    first.join(5)
+    assert handlers.drain_child_passes(5)
     assert passes == ["qwen", "other", "qwen"]
+
+
+def test_child_events_while_a_pass_waits_for_a_thread_fold_into_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a burst every child-pass thread is busy: a model's events that arrive while its pass waits
+    # for one need no pass of their own, since the pass has read nothing yet.
+    from flashmodel_operator import handlers
+
+    release = threading.Event()
+    passes: list[str] = []
+    lock = threading.Lock()
+
+    def reconcile(namespace: str, name: str, fresh: dict[str, Any] | None = None, child_event: bool = False) -> None:
+        with lock:
+            passes.append(name)
+        if name.startswith("busy"):
+            release.wait(5)
+
+    monkeypatch.setattr(handlers, "_reconcile_latest", reconcile)
+    for i in range(handlers.CHILD_PASS_WORKERS):
+        handlers.reconcile_for_child("ns", f"busy-{i}")
+    deadline = time.monotonic() + 5
+    while len(passes) < handlers.CHILD_PASS_WORKERS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(10):
+        handlers.reconcile_for_child("ns", "qwen")
+    assert "qwen" not in passes
+    release.set()
+    assert handlers.drain_child_passes(5)
+    assert passes.count("qwen") == 1
+    assert sorted(p for p in passes if p != "qwen") == sorted(f"busy-{i}" for i in range(handlers.CHILD_PASS_WORKERS))
