@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import datetime as dt
-import functools
 import logging
 import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +19,7 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
-from flashmodel_operator.apply import ApplyResult, Cluster, api_message, namespace_terminating, transient
+from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.child_cache import ChildCache, PassReads
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
@@ -122,31 +119,6 @@ def preflight_refusal(
                     message = (terminated.get("message") or "preflight failed (no message)").strip()
                     return pod["metadata"]["name"], message
     return None
-
-
-_first_pass_requests = ThreadPoolExecutor(max_workers=32, thread_name_prefix="first-pass")
-"""The requests of a model's first pass that do not wait for each other (each pass holds a handler thread)."""
-
-
-def _together(calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Each call's value, or the exception it raised, in order; the calls run at once."""
-    futures = [_first_pass_requests.submit(contextvars.copy_context().run, call) for call in calls]
-    results: list[Any] = []
-    for future in futures:
-        try:
-            results.append(future.result())
-        except Exception as exc:
-            results.append(exc)
-    return results
-
-
-def _settled(value: ApplyResult | BaseException) -> Callable[[], ApplyResult]:
-    def result() -> ApplyResult:
-        if isinstance(value, BaseException):
-            raise value
-        return value
-
-    return result
 
 
 def reconcile(
@@ -269,15 +241,10 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
         not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
     )
     token = secrets.token_urlsafe(32) if control_missing else None
-
-    def make_control_secret() -> None:
-        if token is not None and cluster.create(render_control_secret(fm, token)):
-            # The pod watches would read it back from the API, once per model; the pass that made it knows it.
-            model_state(ns, name).control_token = token
-            log.info("event=control-secret-created model=%s/%s", ns, name)
-
-    if not first_pass:
-        make_control_secret()
+    if token is not None and cluster.create(render_control_secret(fm, token)):
+        # The pod watches would read it back from the API, once per model; the pass that made it knows it.
+        model_state(ns, name).control_token = token
+        log.info("event=control-secret-created model=%s/%s", ns, name)
 
     # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
     children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
@@ -291,33 +258,13 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     # One event for the children a pass changed, after them: an event per child was four more writes
     # before a new model's status (most of a burst's events), and each would hold up the next child.
     applied_events: list[str] = []
-
-    def apply_child(child: dict[str, Any]) -> ApplyResult:
-        if child["kind"] == "Deployment":
-            return reads.apply_deployment(child, known_absent=first_pass)
-        return cluster.apply(child, known_absent=first_pass)
-
-    # A first pass only creates, so its requests need not wait for each other, but the Deployment's pods
-    # mount the ConfigMap and the control Secret: those two go together, then the Deployment with the
-    # rest. Three round trips to the API server instead of seven before the status: at 300 models created
-    # at once the API server answers in hundreds of milliseconds, and each pass holds a handler thread.
-    # Later passes read before they write and apply in order.
-    steps: list[Callable[[], ApplyResult]]
-    if first_pass:
-        mounted = [c for c in children if c["kind"] == "ConfigMap"]
-        rest = [c for c in children if c["kind"] != "ConfigMap"]
-        secret_made, *made = _together([make_control_secret, *(functools.partial(apply_child, c) for c in mounted)])
-        if isinstance(secret_made, BaseException):
-            raise secret_made
-        made += _together([functools.partial(apply_child, c) for c in rest])
-        children = mounted + rest
-        steps = [_settled(m) for m in made]
-    else:
-        steps = [functools.partial(apply_child, c) for c in children]
     try:
-        for child, step in zip(children, steps, strict=True):
+        for child in children:
             try:
-                result = step()
+                if child["kind"] == "Deployment":
+                    result = reads.apply_deployment(child, known_absent=first_pass)
+                else:
+                    result = cluster.apply(child, known_absent=first_pass)
             except Exception as exc:
                 if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
                     # A dropped connection or a 5xx the client's retries did not outlast says nothing about
