@@ -172,11 +172,12 @@ def _kubelet_writes_pod(api: InMemoryAPI, ns: str, name: str, pod: str, prewarme
 
 
 def _pod_event(event_type: str | None, body: dict[str, Any]) -> None:
-    """kopf delivering a pod's watch event to the operator's handler."""
+    """kopf delivering a pod's watch event to the operator's handler, and the pass it queued."""
     from flashmodel_operator import handlers
 
     handler = cast(Callable[..., None], handlers.on_pod_event)
     handler(body=kopf.Body(cast(kopf.RawBody, body)), namespace=body["metadata"]["namespace"], type=event_type)
+    assert handlers.drain_child_passes(10)  # the pass the event queued
 
 
 def _deployment_event(event_type: str | None, body: dict[str, Any]) -> None:
@@ -184,6 +185,7 @@ def _deployment_event(event_type: str | None, body: dict[str, Any]) -> None:
 
     handler = cast(Callable[..., None], handlers.on_deployment_event)
     handler(body=kopf.Body(cast(kopf.RawBody, body)), namespace=body["metadata"]["namespace"], type=event_type)
+    assert handlers.drain_child_passes(10)  # the pass the event queued
 
 
 def _model_event(event_type: str | None, body: dict[str, Any]) -> None:
