@@ -107,41 +107,6 @@ def test_first_pass_creates_children_second_pass_writes_nothing(
     assert all(c["observedGeneration"] == 1 for c in status["conditions"])
 
 
-def test_a_new_models_first_pass_sends_its_creates_together_and_the_deployment_after_what_its_pods_mount(
-    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
-) -> None:
-    # Each write is held a while, so requests sent together overlap and requests sent in turn do not.
-    hold = 0.3
-    spans: dict[str, tuple[float, float]] = {}
-
-    class Slow(Cluster):
-        def _send(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
-            start = time.monotonic()
-            time.sleep(hold)
-            try:
-                return super()._send(method, path, **kwargs)
-            finally:
-                sub = "/status" if path.endswith("/status") else ""
-                spans[f"{method} {kwargs.get('kind', '')}{sub}"] = (start, time.monotonic())
-
-    first = reconcile(Slow(cluster.api), _create(control_plane, k8s_namespace, "together", SPEC))
-    assert set(first.applied.values()) == {"created"} and first.status_written
-    secret, config = spans["POST Secret"], spans["PATCH ConfigMap"]
-    rest = [spans[f"PATCH {kind}"] for kind in ("Deployment", "Service", "PodDisruptionBudget")]
-
-    def overlap(*intervals: tuple[float, float]) -> bool:
-        return max(start for start, _ in intervals) < min(end for _, end in intervals)
-
-    assert overlap(secret, config), spans
-    assert overlap(*rest), spans
-    # The Deployment's pods mount the ConfigMap and the control Secret: both exist before it.
-    assert min(start for start, _ in rest) >= max(secret[1], config[1]), spans
-    # The status says what the pass made, after it made it.
-    assert spans["PATCH FlashModel/status"][0] >= max(end for _, end in rest), spans
-    made = _get(control_plane, k8s_namespace, "together")["status"]
-    assert made["observedGeneration"] == 1
-
-
 def test_a_new_models_first_pass_writes_its_children_without_reading_them_first(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
