@@ -84,8 +84,9 @@ def cluster() -> Cluster:
         except k8s_config.ConfigException:
             k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
         configuration = k8s.Configuration.get_default_copy()
-        # Sync handlers run in kopf's thread pool; give each worker a pooled connection.
-        configuration.connection_pool_maxsize = 32
+        # A pooled connection for each thread that calls the API: kopf's handlers, the child passes and the
+        # pod watches' calls (asyncio's default pool).
+        configuration.connection_pool_maxsize = current().handler_threads + CHILD_PASS_WORKERS + 8
         _cluster = Cluster(k8s.ApiClient(configuration), models=FLASHMODELS)
     return _cluster
 
@@ -95,7 +96,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # The operator writes its own events, once per change; kopf's per-handler events would
     # turn every resync into API writes.
     settings.posting.enabled = False
-    settings.execution.max_workers = 16
+    settings.execution.max_workers = max(1, current().handler_threads)
     settings.watching.server_timeout = 300
     # kopf's own requests (its progress annotations, the watch streams) retry sooner than its defaults.
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
