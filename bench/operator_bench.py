@@ -138,6 +138,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+CONTROL_PLANE_BINARIES = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def component_cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each control-plane process (by its binary's name) and of each named pid."""
+    totals = dict.fromkeys(CONTROL_PLANE_BINARIES, 0.0)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            binary = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace").rsplit("/", 1)[-1]
+            if binary in totals:
+                totals[binary] += cpu_seconds(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    for name, pid in pids.items():
+        totals[name] = cpu_seconds(pid)
+    return totals
+
+
 def apiserver_requests(cp: ControlPlane) -> dict[tuple[str, str], float]:
     """apiserver_request_total summed by (resource, write|get), as the API server itself counted them."""
     text = cp.kubectl("get", "--raw", "/metrics").stdout
