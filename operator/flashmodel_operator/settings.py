@@ -27,10 +27,11 @@ class OperatorSettings:
     60 s cost 130 reads/s and a fifth of a core for nothing; 0 turns it off."""
     handler_backoff_seconds: float = 2.0
     """How soon kopf runs a failed handler again (its default is 60 s: one dropped request cost a minute)."""
-    handler_threads: int = 16
+    handler_threads: int = 32
     """kopf's threads for the model passes its events start (a model's first pass among them). A pass waits on
-    the API server for most of its time, so in a burst of new models the threads, not the cores, can set how
-    many first passes are under way at once."""
+    the API server for most of its time, so in a burst of new models the threads, not the cores, set how many
+    first passes are under way at once: 32 finished a burst of 300 sooner than 16 in each of three pairs of
+    runs (docs/benchmarks/operator.md)."""
     metrics_port: int = 8090
     """The operator's own /metrics; 0 turns it off."""
     heap_trim_seconds: float = 30.0
