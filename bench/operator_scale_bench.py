@@ -431,7 +431,6 @@ def main() -> int:
                     # the API server and this process more CPU than the operator's passes it waited on.
                     fleet.wait("burst statuses", lambda: all(k in fleet.status_at for k in keys), 300)
                     all_status = max(fleet.status_at[k] for k in keys) - t0
-                    cpu_to_status = cpu_seconds(proc.pid) - c0
                     parts1 = component_cpu_seconds(named)
                     fleet.wait("burst prewarmed", lambda: fleet.prewarmed(keys) >= len(keys), 600)
                     all_prewarmed = time.monotonic() - t0
@@ -455,7 +454,6 @@ def main() -> int:
                             for q in (10, 50, 90, 99)
                         },
                         "operator_cpu_s": round(cpu_seconds(proc.pid) - c0, 1),
-                        "operator_cpu_to_all_status_s": round(cpu_to_status, 1),
                         # Every process on the two cores until the last status: who the burst waits on.
                         "cpu_s_to_all_status_by_process": {k: round(parts1[k] - parts0[k], 1) for k in parts1},
                         # This process's own watches and creates, on the same two cores.
