@@ -80,7 +80,7 @@ class Fleet:
     def __init__(self, api: Any) -> None:
         from kubernetes import client
 
-        core, apps, policy = client.CoreV1Api(api), client.AppsV1Api(api), client.PolicyV1Api(api)
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         self.cond = threading.Condition()
         self.kinds: dict[str, set[str]] = {}
         self.children_at: dict[str, float] = {}
@@ -95,7 +95,6 @@ class Fleet:
             "deployments": apps.list_deployment_for_all_namespaces,
             "services": core.list_service_for_all_namespaces,
             "configmaps": core.list_config_map_for_all_namespaces,
-            "poddisruptionbudgets": policy.list_pod_disruption_budget_for_all_namespaces,
             "pods": core.list_pod_for_all_namespaces,
         }
         self.status_at: dict[str, float] = {}

@@ -92,9 +92,14 @@ def test_examples_reconcile_into_scheduled_t4_pods(
     for doc in models:
         name = doc["metadata"]["name"]
         dep = wait_for(f"Deployment {name}", lambda n=name: get_json(control_plane, "deployment", n, "-n", ns))
-        for kind, child in (("service", name), ("configmap", f"{name}-engine"), ("poddisruptionbudget", name)):
+        for kind, child in (("service", name), ("configmap", f"{name}-engine")):
             obj = get_json(control_plane, kind, child, "-n", ns)
             assert obj["metadata"]["ownerReferences"][0]["name"] == name
+        # A budget only where two pods can serve: with one it would block no eviction.
+        spec = doc["spec"]
+        two_pods = max(spec.get("replicas", 1), (spec.get("autoscaling") or {}).get("maxReplicas", 0)) >= 2
+        budgets = get_json(control_plane, "poddisruptionbudget", "-n", ns, "--field-selector", f"metadata.name={name}")
+        assert [b["metadata"]["ownerReferences"][0]["name"] for b in budgets["items"]] == ([name] if two_pods else [])
         if doc["spec"].get("autoscaling"):
             # The default scaler is KEDA: a ScaledObject on the FlashModel's scale subresource.
             so = wait_for(f"ScaledObject {name}", lambda n=name: get_json(control_plane, "scaledobject", n, "-n", ns))

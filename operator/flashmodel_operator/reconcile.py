@@ -29,6 +29,7 @@ from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
     control_secret_name,
     engine_config,
+    needs_pdb,
     pod_template_problems,
     render_autoscaler,
     render_children,
@@ -291,6 +292,8 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     finally:
         if applied_events:
             cluster.event(body, "Normal", "Applied", ", ".join(applied_events))
+    if not first_pass and not from_watch and not needs_pdb(fm):
+        _remove_unneeded_pdb(cluster, body, fm)
     scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
     # Its status after this pass's apply: the object the apply compared or wrote where it has it, else
@@ -390,6 +393,26 @@ def unschedulable(pods: list[dict[str, Any]]) -> str | None:
             if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
                 return f"pod {pod['metadata']['name']} unschedulable: {c.get('message') or 'no reason given'}"
     return None
+
+
+def _remove_unneeded_pdb(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> None:
+    """Delete the model's PodDisruptionBudget once it can have only one serving pod (render.needs_pdb).
+
+    Read first: the pass that applied a budget read it for the apply, so a full pass's reads stay as
+    many, and only a budget this model owns is deleted, not one of the same name made by someone else.
+    """
+    pdb = cluster.get("policy/v1", "PodDisruptionBudget", fm.namespace, fm.name)
+    if pdb is None:
+        return
+    owners = pdb["metadata"].get("ownerReferences") or []
+    if not any(o.get("uid") == fm.uid and o.get("controller") for o in owners):
+        return
+    if cluster.delete("policy/v1", "PodDisruptionBudget", fm.namespace, fm.name):
+        cluster.event(
+            body, "Normal", "Deleted",
+            f"deleted PodDisruptionBudget {fm.name}: at most one serving pod, which a budget would not protect",
+        )
+        log.info("event=pdb-deleted model=%s/%s", fm.namespace, fm.name)
 
 
 def _reconcile_autoscaler(

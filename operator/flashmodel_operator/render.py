@@ -415,6 +415,18 @@ def standby_count(fm: FlashModel, serving: int) -> int:
     return fm.spec.standby_replicas if serving > 0 else 0
 
 
+def needs_pdb(fm: FlashModel) -> bool:
+    """Whether the model gets a PodDisruptionBudget: only where it can have two serving pods.
+
+    With one serving pod the budget allows one pod (and every standby) unavailable, which is every pod:
+    it would block no eviction and cost the API server and the disruption controller a write and a
+    sync per model. The autoscaler's ceiling counts, so a model it scales between one and more pods
+    keeps its budget instead of gaining and losing it with each scale.
+    """
+    ceiling = fm.spec.autoscaling.max_replicas if fm.spec.autoscaling is not None else 0
+    return max(fm.spec.replicas, ceiling) >= 2
+
+
 def render_pdb(fm: FlashModel) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
@@ -442,7 +454,9 @@ def render_autoscaler(fm: FlashModel, prometheus: str) -> dict[str, Any] | None:
 
 def render_children(fm: FlashModel, replicas: int | None = None, prometheus: str = "") -> list[dict[str, Any]]:
     """Every child, in apply order (the ConfigMap before the pods that mount it)."""
-    children = [render_configmap(fm), render_deployment(fm, replicas), render_service(fm), render_pdb(fm)]
+    children = [render_configmap(fm), render_deployment(fm, replicas), render_service(fm)]
+    if needs_pdb(fm):
+        children.append(render_pdb(fm))
     autoscaler = render_autoscaler(fm, prometheus)
     if autoscaler is not None:
         children.append(autoscaler)

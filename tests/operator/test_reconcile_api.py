@@ -162,6 +162,46 @@ def test_drift_in_a_child_is_corrected(control_plane: ControlPlane, k8s_namespac
     assert replicas == "2"
 
 
+def test_a_budget_only_where_two_pods_can_serve(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    # One serving pod: a budget would allow every pod unavailable and protect nothing.
+    single = reconcile(cluster, _create(control_plane, k8s_namespace, "one", {**SPEC, "replicas": 1}))
+    assert "PodDisruptionBudget/one" not in single.applied
+    assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "one") is None
+    # An autoscaler that may add a second pod keeps it from the start, not from its first scale-up.
+    scaled = {**SPEC, "replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "scaler": "hpa"}}
+    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "scaled", scaled))
+    assert outcome.applied["PodDisruptionBudget/scaled"] == "created"
+
+    # 2 -> 1 -> 2: the budget goes with the second pod (with an event) and comes back with it.
+    reconcile(cluster, _create(control_plane, k8s_namespace, "shrink", SPEC))
+    assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "shrink") is not None
+    reconcile(cluster, _create(control_plane, k8s_namespace, "shrink", {**SPEC, "replicas": 1}))
+    assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "shrink") is None
+    events = control_plane.kubectl(
+        "get", "events", "-n", k8s_namespace, "--field-selector", "involvedObject.name=shrink,reason=Deleted",
+        "-o", "jsonpath={.items[*].message}",
+    ).stdout
+    assert "deleted PodDisruptionBudget shrink" in events
+    # The next pass finds none and deletes nothing.
+    again = reconcile(cluster, _get(control_plane, k8s_namespace, "shrink"))
+    assert "PodDisruptionBudget/shrink" not in again.applied
+    assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "shrink") is None
+    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "shrink", SPEC))
+    assert outcome.applied["PodDisruptionBudget/shrink"] == "created"
+
+    # A budget of the same name that the model does not own is someone else's: left alone.
+    theirs = {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": "one", "namespace": k8s_namespace},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "theirs"}}},
+    }
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(theirs))
+    reconcile(cluster, _get(control_plane, k8s_namespace, "one"))
+    assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "one") is not None
+
+
 def test_missing_auth_secret_is_degraded_with_what_to_do(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
