@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
 from flashmodel_operator.apply import Cluster, namespace_terminating, transient
 from flashmodel_operator.child_cache import ChildCache
-from flashmodel_operator.diffbase import LeanDiffBaseStorage
+from flashmodel_operator.diffbase import HandledSpecs
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.pod_tasks import EnginePodTasks, StopRequest
@@ -91,6 +91,10 @@ def cluster() -> Cluster:
     return _cluster
 
 
+HANDLED_SPECS = HandledSpecs(prefix=GROUP, key="last-handled-spec")
+"""kopf's diff base: which spec of each model was last handled, in memory (diffbase.HandledSpecs)."""
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # The operator writes its own events, once per change; kopf's per-handler events would
@@ -107,7 +111,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     kopf_objects = logging.getLogger("kopf.objects")
     if kopf_objects.getEffectiveLevel() == logging.INFO:
         kopf_objects.setLevel(logging.WARNING)
-    settings.persistence.diffbase_storage = LeanDiffBaseStorage(prefix=GROUP, key="last-handled-spec")
+    settings.persistence.diffbase_storage = HANDLED_SPECS
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     # What an older operator's pod daemons left on engine pods, which the pod watches remove.
     ENGINE_PODS.finalizer = settings.persistence.finalizer
@@ -319,6 +323,7 @@ async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str,
         return
     FLASHMODELS.event(type, body)
     if type == "DELETED":
+        HANDLED_SPECS.forget(body.metadata.uid or "")
         CHILDREN.forget(namespace, name)
         with _child_lock:
             _child_unsure.discard((namespace, name))

@@ -8,7 +8,7 @@ from typing import Any, cast
 import kopf
 import pytest
 from flashmodel_operator import GROUP
-from flashmodel_operator.diffbase import LeanDiffBaseStorage
+from flashmodel_operator.diffbase import HandledSpecs, LeanDiffBaseStorage
 
 
 def _bodies() -> list[dict[str, Any]]:
@@ -79,3 +79,46 @@ def test_the_essence_is_a_copy() -> None:
     essence["spec"]["replicas"] = 9
     essence["metadata"]["labels"]["team"] = "other"
     assert raw["spec"]["replicas"] == 2 and raw["metadata"]["labels"]["team"] == "search"
+
+
+def _flashmodel(**changes: Any) -> kopf.Body:
+    raw = _bodies()[0]
+    for path, value in changes.items():
+        section, field = path.split("__")
+        raw[section][field] = value
+    return kopf.Body(cast(kopf.RawBody, raw))
+
+
+def test_handled_specs_tell_kopf_what_changed_without_writing_to_the_object() -> None:
+    specs = HandledSpecs(prefix=GROUP, key="last-handled-spec")
+    body = _flashmodel()
+    # Never handled (a new model, or any model after a restart): kopf's "create".
+    assert specs.fetch(body=body) is None
+    patch = kopf.Patch()
+    specs.store(body=body, patch=patch, essence=specs.build(body=body))
+    assert not patch, "the diff base must not be written to the object"
+    # Handled and unchanged: the same essence, so kopf finds no diff.
+    assert specs.fetch(body=body) == specs.build(body=body)
+    # What the status, the resourceVersion or kopf's own annotation do is no change of the spec.
+    churned = _flashmodel(status__replicas=0, metadata__resourceVersion="78")
+    assert specs.fetch(body=churned) == specs.build(body=churned)
+    # A spec, label or annotation change: an essence that differs, so kopf runs the update handler.
+    for changed in (
+        _flashmodel(spec__replicas=3),
+        _flashmodel(metadata__labels={"team": "ads"}),
+        _flashmodel(metadata__annotations={"serving.flashmodel.io/retry": "2"}),
+    ):
+        old = specs.fetch(body=changed)
+        assert old is not None and old != specs.build(body=changed)
+
+
+def test_handled_specs_forget_a_deleted_model() -> None:
+    specs = HandledSpecs(prefix=GROUP, key="last-handled-spec")
+    body = _flashmodel()
+    specs.store(body=body, patch=kopf.Patch(), essence=specs.build(body=body))
+    assert len(specs) == 1
+    specs.forget("u1")
+    assert len(specs) == 0 and specs.fetch(body=body) is None
+    # A model of the same name made again has a uid of its own: it is new to kopf.
+    specs.store(body=body, patch=kopf.Patch(), essence=specs.build(body=body))
+    assert specs.fetch(body=_flashmodel(metadata__uid="u2")) is None
