@@ -134,6 +134,13 @@ def test_examples_reconcile_into_scheduled_t4_pods(
             lambda n=name: _status(control_plane, ns, n).get("engineArgs") and _status(control_plane, ns, n),
         )
         assert status["observedGeneration"] == 1
+        # Handled at once, the model got nothing from kopf but its status: no diff-base annotation,
+        # no marker, no progress left (diffbase.HandledSpecs, UnmarkedProgressStorage).
+        body = get_json(control_plane, "flashmodel", name, "-n", ns, "--show-managed-fields")
+        ours = [k for k in body["metadata"].get("annotations") or {} if k.startswith("serving.flashmodel.io/")]
+        assert not ours, f"{name}: the operator annotated the model: {ours}"
+        writers = {m["manager"] for m in body["metadata"]["managedFields"] if not m.get("subresource")}
+        assert all(w.startswith("kubectl") for w in writers), f"{name}: metadata written by {writers}"
         row = _printer_row(control_plane, ns, name)
         assert row["ACCELERATOR"] == doc["spec"].get("accelerator", "t4")
         assert row["REPLICAS"] == status["replicasSummary"]

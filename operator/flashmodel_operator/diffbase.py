@@ -1,5 +1,7 @@
 """kopf's diff base (the essence it compares to find spec changes): built without copying what it
-drops (LeanDiffBaseStorage), and kept in memory instead of an annotation (HandledSpecs).
+drops (LeanDiffBaseStorage), and kept in memory instead of an annotation (HandledSpecs); kopf's
+progress annotations without its marker (UnmarkedProgressStorage). With both, a new model's handler
+that succeeds writes nothing to the model but its status.
 
 kopf builds an object's essence on every watch event of every kind it handles, by deep-copying the
 whole body and then deleting its status and most of its metadata. An engine pod's body is mostly
@@ -79,3 +81,17 @@ class HandledSpecs(LeanDiffBaseStorage):
 
 def _digest(essence: kopf.BodyEssence) -> bytes:
     return hashlib.blake2b(json.dumps(essence, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).digest()
+
+
+class UnmarkedProgressStorage(kopf.AnnotationsProgressStorage):
+    """kopf's progress annotations (a failing handler's retries), without kopf's marker annotation.
+
+    kopf marks every object it first stores progress for with `<prefix>/kopf-managed: yes`, which it
+    reads only to tell its own annotations from another kopf operator's. A handler that succeeds at
+    once stores its progress and purges it in the same patch, so the marker was all that patch wrote:
+    a PATCH of every new model. The progress annotations of a handler that fails are kept as they
+    are, so its retries work the same.
+    """
+
+    def _store_marker(self, prefix: str, patch: kopf.Patch, body: kopf.Body) -> None:
+        return None

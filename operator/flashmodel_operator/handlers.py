@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
 from flashmodel_operator.apply import Cluster, namespace_terminating, transient
 from flashmodel_operator.child_cache import ChildCache
-from flashmodel_operator.diffbase import HandledSpecs
+from flashmodel_operator.diffbase import HandledSpecs, UnmarkedProgressStorage
 from flashmodel_operator.gating import PodWatch, model_of
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.pod_tasks import EnginePodTasks, StopRequest
@@ -112,7 +112,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if kopf_objects.getEffectiveLevel() == logging.INFO:
         kopf_objects.setLevel(logging.WARNING)
     settings.persistence.diffbase_storage = HANDLED_SPECS
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.progress_storage = UnmarkedProgressStorage(prefix=GROUP)
     # What an older operator's pod daemons left on engine pods, which the pod watches remove.
     ENGINE_PODS.finalizer = settings.persistence.finalizer
     # A socket per engine pod's kept-alive shim connection: a 1,000-pod fleet must not hit the

@@ -8,7 +8,7 @@ from typing import Any, cast
 import kopf
 import pytest
 from flashmodel_operator import GROUP
-from flashmodel_operator.diffbase import HandledSpecs, LeanDiffBaseStorage
+from flashmodel_operator.diffbase import HandledSpecs, LeanDiffBaseStorage, UnmarkedProgressStorage
 
 
 def _bodies() -> list[dict[str, Any]]:
@@ -122,3 +122,19 @@ def test_handled_specs_forget_a_deleted_model() -> None:
     # A model of the same name made again has a uid of its own: it is new to kopf.
     specs.store(body=body, patch=kopf.Patch(), essence=specs.build(body=body))
     assert specs.fetch(body=_flashmodel(metadata__uid="u2")) is None
+
+
+def test_a_handler_that_succeeds_at_once_leaves_kopf_nothing_to_patch() -> None:
+    progress = UnmarkedProgressStorage(prefix=GROUP)
+    body = _flashmodel()
+    handler: Any = "on_flashmodel_change"  # a kopf HandlerId
+    patch = kopf.Patch()
+    # What kopf does in one cycle for a handler that succeeds on its first try: store, then purge.
+    progress.store(key=handler, record=cast(Any, {"started": "t", "success": True}), body=body, patch=patch)
+    assert patch["metadata"]["annotations"] == {f"{GROUP}/on_flashmodel_change": '{"started":"t","success":true}'}
+    progress.purge(key=handler, body=body, patch=patch)
+    assert not patch, f"kopf would PATCH the model with {dict(patch)}"
+    # A failing handler's record stays in the patch, so kopf's retries keep their count.
+    failing = kopf.Patch()
+    progress.store(key=handler, record=cast(Any, {"started": "t", "retries": 1}), body=body, patch=failing)
+    assert list(failing["metadata"]["annotations"]) == [f"{GROUP}/on_flashmodel_change"]
