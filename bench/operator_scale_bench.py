@@ -17,8 +17,9 @@ the operator polls /metrics and /readyz instead. Then, for each level of the fle
    idle window: the operator's CPU seconds (utime + stime from /proc/PID/stat) over the window, its RSS,
    the API server's request counts by verb (apiserver_request_total deltas: the operator's reads and
    writes, plus the control plane's own, listed apart), the stand-in's polls per second, the load average;
-3. paced creates with the fleet idle: one new model every --pace seconds; for each, create -> its four
-   children seen, and create -> its first Pod seen (the Deployment -> ReplicaSet -> Pod chain included);
+3. paced creates with the fleet idle: one new model every --pace seconds; for each, create -> its
+   children seen (ConfigMap, Deployment, Service), and create -> its first Pod seen (the Deployment ->
+   ReplicaSet -> Pod chain included); the median time to each step of that chain;
 4. after the last level: a burst of --burst new models created at once (16 client threads), timed to all
    children, all statuses (observedGeneration 1) and all pods prewarmed;
 5. optionally (--detect), the detection time of a hung and a diverging pod: the stand-in's /readyz starts
@@ -84,6 +85,8 @@ class Fleet:
         self.cond = threading.Condition()
         self.kinds: dict[str, set[str]] = {}
         self.children_at: dict[str, float] = {}
+        self.child_at: dict[tuple[str, str], float] = {}
+        """(model, kind) -> when the first child of that kind was seen: a paced create's chain, step by step."""
         self.first_pod_at: dict[str, float] = {}
         self.pods: dict[str, tuple[str, str, str | None, bool]] = {}
         """pod name -> (model, phase, IP, prewarmed)."""
@@ -150,6 +153,7 @@ class Fleet:
                         self.drained_at.setdefault(name, now)
                     self.pods[name] = (key, str(status.get("phase")), status.get("podIP"), gated)
             elif type_ != "DELETED":
+                self.child_at.setdefault((key, kind), now)
                 kinds = self.kinds.setdefault(key, set())
                 kinds.add(kind)
                 if len(kinds) == len(CHILD_KINDS):
@@ -379,11 +383,13 @@ def main() -> int:
                     )
                     # Paced creates with the fleet idle.
                     children, first_pod = [], []
+                    chain: dict[str, list[float]] = {}
                     for i in range(args.paced):
                         name = f"p{level}-{i}"
                         key = f"{ns}/{name}"
                         t0 = time.monotonic()
                         create(name)
+                        chain.setdefault("create_call", []).append(time.monotonic() - t0)
                         fleet.wait(
                             f"{name}'s first pod",
                             lambda k=key: k in fleet.first_pod_at and k in fleet.children_at,
@@ -391,6 +397,8 @@ def main() -> int:
                         )
                         children.append(fleet.children_at[key] - t0)
                         first_pod.append(fleet.first_pod_at[key] - t0)
+                        for kind in CHILD_KINDS:
+                            chain.setdefault(kind, []).append(fleet.child_at[(key, kind)] - t0)
                         made.append(name)
                         time.sleep(max(0.0, args.pace - (time.monotonic() - t0)))
                     row["paced_children_ms"] = {
@@ -403,6 +411,9 @@ def main() -> int:
                         "p99": round(1000 * percentile(first_pod, 99)),
                         "max": round(1000 * max(first_pod)),
                     }
+                    # Where a paced create's time goes: when each step of its chain was seen, from the create's start.
+                    row["paced_chain_p50_ms"] = {k: round(1000 * statistics.median(v)) for k, v in chain.items()}
+                    row["paced_chain_p50_ms"]["first_pod"] = row["paced_first_pod_ms"]["p50"]
                     row["load_after_paced"] = loadavg()
                     progress(
                         f"level {level}: paced children {row['paced_children_ms']} first pod "
