@@ -29,7 +29,6 @@ from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.pod_tasks import EnginePodTasks, StopRequest
 from flashmodel_operator.reconcile import (
     SECRET_WAIT_REASONS,
-    first_pass_workers,
     forget_model,
     model_lock,
     reconcile,
@@ -85,11 +84,9 @@ def cluster() -> Cluster:
         except k8s_config.ConfigException:
             k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
         configuration = k8s.Configuration.get_default_copy()
-        # A pooled connection for each thread that calls the API: kopf's handlers, first passes' early creates,
-        # the child passes and the pod watches' calls (asyncio's default pool).
-        configuration.connection_pool_maxsize = (
-            current().handler_threads + first_pass_workers() + CHILD_PASS_WORKERS + 8
-        )
+        # A pooled connection for each thread that calls the API: kopf's handlers, the child passes and the
+        # pod watches' calls (asyncio's default pool).
+        configuration.connection_pool_maxsize = current().handler_threads + CHILD_PASS_WORKERS + 8
         _cluster = Cluster(k8s.ApiClient(configuration), models=FLASHMODELS)
     return _cluster
 

@@ -10,8 +10,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +19,7 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
-from flashmodel_operator.apply import ApplyResult, Cluster, api_message, namespace_terminating, transient
+from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.child_cache import ChildCache, PassReads
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
@@ -58,23 +56,6 @@ MODEL_REPLICAS = Gauge(
     ["namespace", "flashmodel", "state"],
 )
 REPLICA_STATES = ("desired", "ready", "prewarmed", "standby")
-
-_first_pass_pool: ThreadPoolExecutor | None = None
-_first_pass_pool_lock = threading.Lock()
-
-
-def first_pass_workers() -> int:
-    """Threads for first passes' early creates: two per handler thread, so none waits for a thread."""
-    return 2 * current().handler_threads
-
-
-def first_pass_pool() -> ThreadPoolExecutor:
-    """The threads a first pass starts its Deployment and control Secret in (made on first use)."""
-    global _first_pass_pool
-    with _first_pass_pool_lock:
-        if _first_pass_pool is None:
-            _first_pass_pool = ThreadPoolExecutor(max_workers=first_pass_workers(), thread_name_prefix="first-pass")
-        return _first_pass_pool
 
 
 def model_lock(namespace: str, name: str) -> threading.RLock:
@@ -256,6 +237,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
                 f"create it, or {use.instead} (no pod starts until then)",
             )
 
+    # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
+    control_missing = first_pass or (
+        not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
+    )
+    token = secrets.token_urlsafe(32) if control_missing else None
+    if token is not None and cluster.create(render_control_secret(fm, token)):
+        # The pod watches would read it back from the API, once per model; the pass that made it knows it.
+        model_state(ns, name).control_token = token
+        log.info("event=control-secret-created model=%s/%s", ns, name)
+
     # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
     children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
     if from_watch:
@@ -265,45 +256,16 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
         # and one without its hub token would fail its download; the Secret's arrival triggers a pass
         # within seconds (handlers.wait_for_secret).
         children = [c for c in children if c["kind"] != "Deployment"]
-
-    def apply_child(child: dict[str, Any]) -> ApplyResult:
-        if child["kind"] == "Deployment":
-            return reads.apply_deployment(child, known_absent=first_pass)
-        return cluster.apply(child, known_absent=first_pass)
-
-    # A first pass writes independent creates, so they go out at once instead of one after another: the
-    # Deployment and the control Secret in threads of their own, the ConfigMap and the rest here. The
-    # Deployment heads the chain to the first pod (the controller-manager's ReplicaSet and Pod, then the
-    # scheduler), which takes longer than the Secret and ConfigMap take; a kubelet that mounted before
-    # them would retry the mount within a second, and the engine's start takes far longer than that.
-    early: dict[str, Future[Any]] = {}
-    if first_pass:
-        early = {c["kind"]: first_pass_pool().submit(apply_child, c) for c in children if c["kind"] == "Deployment"}
-
-    # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
-    control_missing = first_pass or (
-        not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
-    )
-    token = secrets.token_urlsafe(32) if control_missing else None
-
-    def make_control_secret(token: str) -> None:
-        if cluster.create(render_control_secret(fm, token)):
-            # The pod watches would read it back from the API, once per model; the pass that made it knows it.
-            model_state(ns, name).control_token = token
-            log.info("event=control-secret-created model=%s/%s", ns, name)
-
-    if token is not None and first_pass:
-        early["Secret"] = first_pass_pool().submit(make_control_secret, token)
-    elif token is not None:
-        make_control_secret(token)
     # One event for the children a pass changed, after them: an event per child was four more writes
     # before a new model's status (most of a burst's events), and each would hold up the next child.
     applied_events: list[str] = []
     try:
         for child in children:
             try:
-                started = early.pop(child["kind"], None)
-                result = started.result() if started is not None else apply_child(child)
+                if child["kind"] == "Deployment":
+                    result = reads.apply_deployment(child, known_absent=first_pass)
+                else:
+                    result = cluster.apply(child, known_absent=first_pass)
             except Exception as exc:
                 if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
                     # A dropped connection or a 5xx the client's retries did not outlast says nothing about
@@ -327,11 +289,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
             outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
             if result != "unchanged":
                 applied_events.append(f"{result} {child['kind']} {child['metadata']['name']}")
-        if "Secret" in early:
-            early.pop("Secret").result()
     finally:
-        # A pass that failed part-way still waits for what it started: the next pass must not race it.
-        futures.wait(early.values())
         if applied_events:
             cluster.event(body, "Normal", "Applied", ", ".join(applied_events))
     if not first_pass and not from_watch and not needs_pdb(fm):
@@ -418,15 +376,8 @@ def referenced_secrets(spec: FlashModelSpec) -> list[SecretUse]:
     hub = spec.model.hub
     if hub is not None and hub.token_secret_ref is not None:
         token = hub.token_secret_ref
-        refs.append(
-            SecretUse(
-                "HubTokenSecretNotFound",
-                "spec.model.hub.tokenSecretRef",
-                token.name,
-                token.key,
-                "remove tokenSecretRef for a public model",
-            )
-        )
+        refs.append(SecretUse("HubTokenSecretNotFound", "spec.model.hub.tokenSecretRef", token.name, token.key,
+                              "remove tokenSecretRef for a public model"))
     return refs
 
 
@@ -458,9 +409,7 @@ def _remove_unneeded_pdb(cluster: Cluster, body: dict[str, Any], fm: FlashModel)
         return
     if cluster.delete("policy/v1", "PodDisruptionBudget", fm.namespace, fm.name):
         cluster.event(
-            body,
-            "Normal",
-            "Deleted",
+            body, "Normal", "Deleted",
             f"deleted PodDisruptionBudget {fm.name}: at most one serving pod, which a budget would not protect",
         )
         log.info("event=pdb-deleted model=%s/%s", fm.namespace, fm.name)

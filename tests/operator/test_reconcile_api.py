@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
-from flashmodel_operator.apply import ApplyResult, Cluster
+from flashmodel_operator.apply import Cluster
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, reconcile, referenced_secrets
 from kubernetes.client.exceptions import ApiException
@@ -114,34 +113,17 @@ def test_a_new_models_first_pass_writes_its_children_without_reading_them_first(
     # Every read before the Deployment's apply delays the model's first pod; a new model has no
     # children to compare with, so its first pass only writes them (the Deployment's status is in
     # the API server's answer to its apply).
-    # Its writes are independent creates, and the Deployment heads the chain to the first pod: it and
-    # the control Secret are sent while the ConfigMap's write is under way, not after it.
     reads: list[str] = []
-    sent = {"Deployment": threading.Event(), "Secret": threading.Event()}
-    overlapped: list[bool] = []
 
     class Counting(Cluster):
         def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
             reads.append(kind)
             return super().get(api_version, kind, namespace, name)
 
-        def apply(self, desired: dict[str, Any], *args: Any, **kwargs: Any) -> ApplyResult:
-            if desired["kind"] in sent:
-                sent[desired["kind"]].set()
-            if desired["kind"] == "ConfigMap":
-                overlapped.append(all(event.wait(10) for event in sent.values()))
-            return super().apply(desired, *args, **kwargs)
-
-        def create(self, desired: dict[str, Any]) -> bool:
-            if desired["kind"] in sent:
-                sent[desired["kind"]].set()
-            return super().create(desired)
-
     counting = Counting(cluster.api)
     first = reconcile(counting, _create(control_plane, k8s_namespace, "fresh", SPEC))
     assert set(first.applied.values()) == {"created"}
     assert reads == []
-    assert overlapped == [True]
     # The next pass compares: nothing to write.
     reads.clear()
     second = reconcile(counting, _get(control_plane, k8s_namespace, "fresh"))
@@ -310,17 +292,15 @@ def test_a_spec_that_undoes_the_enforced_pod_is_refused_and_no_pod_made(
     assert degraded["status"] == "True" and degraded["reason"] == reason
 
 
-@pytest.mark.parametrize(("kind", "quota_key"), [("Service", "services"), ("Deployment", "count/deployments.apps")])
 def test_a_child_the_api_server_refuses_is_degraded_not_silent(
-    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster, kind: str, quota_key: str
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
-    # A real refusal: a quota that allows no such child in this namespace. A first pass writes its
-    # Deployment in a thread of its own; its refusal must surface the same way.
+    # A real refusal: a quota that allows no Service in this namespace.
     quota = {
         "apiVersion": "v1",
         "kind": "ResourceQuota",
-        "metadata": {"name": "no-child"},
-        "spec": {"hard": {quota_key: "0"}},
+        "metadata": {"name": "no-services"},
+        "spec": {"hard": {"services": "0"}},
     }
     control_plane.kubectl("apply", "-n", k8s_namespace, "-f", "-", input=yaml.safe_dump(quota))
     body = _create(control_plane, k8s_namespace, "refused", SPEC)
@@ -330,10 +310,10 @@ def test_a_child_the_api_server_refuses_is_degraded_not_silent(
     status = _get(control_plane, k8s_namespace, "refused")["status"]
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "ApplyFailed"
-    assert f"{kind} refused" in conditions["Degraded"]["message"] and "quota" in conditions["Degraded"]["message"]
+    assert "Service refused" in conditions["Degraded"]["message"] and "quota" in conditions["Degraded"]["message"]
     assert conditions["Ready"]["status"] == "False"
 
-    control_plane.kubectl("delete", "resourcequota", "no-child", "-n", k8s_namespace)
+    control_plane.kubectl("delete", "resourcequota", "no-services", "-n", k8s_namespace)
     outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "refused"))
     assert outcome.problem is None
     conditions = {c["type"]: c for c in _get(control_plane, k8s_namespace, "refused")["status"]["conditions"]}
