@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flashmodel_operator import settings
+from flashmodel_operator import heap, settings
 
 
 def main() -> None:
@@ -20,6 +20,7 @@ def main() -> None:
         settings.load()  # once, before kopf imports the handlers, which take their timings from it
     except ValueError as exc:
         sys.exit(f"flashmodel-operator: {exc}")
+    heap.tune_collector()
     sys.argv = [sys.argv[0], "run", "--module", "flashmodel_operator.handlers", *sys.argv[1:]]
     from kopf.cli import main as kopf_main  # kopf's click group
 

@@ -130,7 +130,7 @@ async def start_resync(**_: Any) -> None:
     global _resync_task, _trim_task
     if current().resync_seconds > 0:
         _resync_task = asyncio.create_task(resync_fleet(current().resync_seconds))
-    if current().heap_trim_seconds > 0 and heap.can_trim():
+    if current().heap_trim_seconds > 0:
         _trim_task = asyncio.create_task(heap.trim_periodically(current().heap_trim_seconds))
 
 

@@ -35,7 +35,8 @@ class OperatorSettings:
     metrics_port: int = 8090
     """The operator's own /metrics; 0 turns it off."""
     heap_trim_seconds: float = 30.0
-    """How often the operator hands freed heap pages back to the system (flashmodel_operator.heap); 0 turns it off."""
+    """How often the operator frees what a busy period left (a full collection after churn) and hands freed heap
+    pages back to the system (flashmodel_operator.heap); 0 turns it off."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> OperatorSettings:
