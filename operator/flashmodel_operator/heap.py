@@ -16,15 +16,17 @@ import ctypes.util
 import gc
 from collections.abc import Callable
 
-COLLECTOR_THRESHOLDS = (50_000, 20, 10)
-"""Python's cyclic collector: a young collection after 50,000 net new objects instead of 700.
+COLLECTOR_THRESHOLDS = (10_000, 20, 10)
+"""Python's cyclic collector: a young collection after 10,000 net new objects instead of 700, a
+middle one after 20 young ones instead of 10.
 
-With the defaults a busy operator promotes the objects of every pass in flight (a parsed API
-answer lives for the request's milliseconds) to the old generation, and so runs a full collection,
-which walks the whole heap of a large fleet, every few seconds: at 1,000 models, 40 full
-collections of about 0.6 s while the fleet was made and a burst of 300 came, 38.7 s of the
-process's time in the collector in all. With these thresholds: no full collection there and 9.4 s
-in all; the fleet was made in 144 s instead of 172 s (docs/benchmarks/operator.md).
+With the defaults a busy operator promotes the objects of the passes in flight (a parsed API
+answer lives for its request's milliseconds) to the old generation, and so runs a full
+collection, which walks the whole heap of a large fleet, every few seconds: at 1,000 models, 39
+full collections of about 0.6 s while the fleet was made and a burst of 300 came, 28 s of CPU in
+the collector in all. With these thresholds, 6 full collections and 9.4 s. With 50,000 the
+collector's CPU fell as far, but what died in cycles waited longer for a collection and RSS
+reached 495-563 MiB, against 376 (docs/benchmarks/operator.md).
 """
 
 
@@ -35,9 +37,9 @@ def tune_collector() -> None:
 def collect_after_churn() -> bool:
     """A full collection if a middle-generation collection ran since the last one; True when it ran.
 
-    With `COLLECTOR_THRESHOLDS` the collector itself rarely reaches the old generation, where the
-    cycles of what a busy period held for a while end up (about 110 MiB at 1,000 models); this
-    frees them once the churn that made them has passed, and not again while nothing promotes.
+    With `COLLECTOR_THRESHOLDS` the collector itself reaches the old generation less often, and the
+    cycles of what a busy period held for a while end up there; this frees them at most one trim
+    period after the churn that made them, and does nothing while nothing is promoted (an idle fleet).
     """
     if gc.get_count()[2] == 0:
         return False
