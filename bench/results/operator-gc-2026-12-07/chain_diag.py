@@ -7,16 +7,17 @@ Usage: python chain_diag.py bench.log operator.log
 import re
 import statistics
 import sys
+from pathlib import Path
 
 bench: dict[str, tuple[float, float]] = {}
 seen: dict[str, dict[str, float]] = {}
-for line in open(sys.argv[1]):
+for line in Path(sys.argv[1]).read_text().splitlines():
     if m := re.match(r"DIAG bench (\S+) t0=([\d.]+) ret=([\d.]+)", line):
         bench[m[1]] = (float(m[2]), float(m[3]))
     elif m := re.match(r"DIAG seen (\S+) (.*)", line):
         seen[m[1]] = {k: float(v) for k, v in (x.split("=") for x in m[2].split())}
 operator: dict[str, dict[str, float]] = {}
-for line in open(sys.argv[2]):
+for line in Path(sys.argv[2]).read_text().splitlines():
     if not (m := re.search(r"DIAG (event|handler|pass|send|done) (\S+) (.*)", line)):
         continue
     rest = m[3].split()

@@ -1,21 +1,40 @@
-import gc, os, threading, time, json
+"""The collector's counts in the operator's process, as the runs here recorded them (laid out for the linter).
+
+Put on the operator's PYTHONPATH as `sitecustomize.py`; FM_GCSTATS names the file it appends to every 5 s
+(per generation: collections, wall s, objects collected, CPU s); FM_GCTHRESH sets the thresholds.
+"""
+
+import gc
+import json
+import os
+import threading
+import time
+
 _out = os.environ.get("FM_GCSTATS")
 if _out:
-    _t = {}
-    _acc = {0: [0, 0.0, 0, 0.0], 1: [0, 0.0, 0, 0.0], 2: [0, 0.0, 0, 0.0]}
-    def _cb(phase, info):
-        g = info["generation"]
+    _started: dict[str, float] = {}
+    _totals = {0: [0, 0.0, 0, 0.0], 1: [0, 0.0, 0, 0.0], 2: [0, 0.0, 0, 0.0]}
+
+    def _callback(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            _t["c"] = time.thread_time()
-            _t["w"] = time.perf_counter()
-        else:
-            a = _acc[g]; a[0] += 1; a[1] += time.perf_counter() - _t["w"]; a[2] += info.get("collected", 0); a[3] += time.thread_time() - _t["c"]
-    gc.callbacks.append(_cb)
-    def _dump():
+            _started["cpu"] = time.thread_time()
+            _started["wall"] = time.perf_counter()
+            return
+        total = _totals[info["generation"]]
+        total[0] += 1
+        total[1] += time.perf_counter() - _started["wall"]
+        total[2] += info.get("collected", 0)
+        total[3] += time.thread_time() - _started["cpu"]
+
+    gc.callbacks.append(_callback)
+
+    def _dump(path: str) -> None:
         while True:
             time.sleep(5)
-            with open(_out, "a") as f:
-                f.write(json.dumps({"t": time.time(), "gc": {g: list(v) for g, v in _acc.items()}, "count": gc.get_count()}) + "\n")
-    threading.Thread(target=_dump, daemon=True).start()
+            line = {"t": time.time(), "gc": {g: list(v) for g, v in _totals.items()}, "count": gc.get_count()}
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    threading.Thread(target=_dump, args=(_out,), daemon=True).start()
 if os.environ.get("FM_GCTHRESH"):
     gc.set_threshold(*[int(x) for x in os.environ["FM_GCTHRESH"].split(",")])
