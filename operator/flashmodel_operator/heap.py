@@ -6,6 +6,9 @@ that any survivor still pins, and glibc keeps freed pages inside its heaps. So t
 on glibc's allocator (`PYTHONMALLOC=malloc`, set by `python -m flashmodel_operator`) and asks glibc
 now and then to return its free pages (`malloc_trim`): at 1,000 models created at once, RSS fell
 from 688 to 468 MiB with one trim, where the default allocator stayed at 525-535 MiB.
+
+Python's cyclic collector is set for a large heap (`COLLECTOR_THRESHOLDS`), and the periodic trim
+first frees the cycles a busy period left in the old generation (`collect_after_churn`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ middle one after 20 young ones instead of 10.
 With the defaults a busy operator promotes the objects of the passes in flight (a parsed API
 answer lives for its request's milliseconds) to the old generation, and so runs a full
 collection, which walks the whole heap of a large fleet, every few seconds: at 1,000 models, 39
-full collections of about 0.6 s while the fleet was made and a burst of 300 came, 28 s of CPU in
-the collector in all. With these thresholds, 6 full collections and 9.4 s. With 50,000 the
-collector's CPU fell as far, but what died in cycles waited longer for a collection and RSS
-reached 495-563 MiB, against 376 (docs/benchmarks/operator.md).
+full collections of about 0.6 s while the fleet was made and a burst of 300 came, 26-28 s of CPU
+in the collector in all. With these thresholds, 6-7 full collections and 9.4-11.7 s (three runs).
+With 50,000 the collector's CPU fell as far, but what died in cycles waited longer for a
+collection and RSS reached 495-563 MiB, against 376-380 (docs/benchmarks/operator.md).
 """
 
 
