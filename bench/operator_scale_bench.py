@@ -401,24 +401,25 @@ def main() -> int:
                             chain.setdefault(kind, []).append(fleet.child_at[(key, kind)] - t0)
                         made.append(name)
                         time.sleep(max(0.0, args.pace - (time.monotonic() - t0)))
-                    row["paced_children_ms"] = {
-                        "p50": round(1000 * statistics.median(children)),
-                        "p99": round(1000 * percentile(children, 99)),
-                        "max": round(1000 * max(children)),
-                    }
-                    row["paced_first_pod_ms"] = {
-                        "p50": round(1000 * statistics.median(first_pod)),
-                        "p99": round(1000 * percentile(first_pod, 99)),
-                        "max": round(1000 * max(first_pod)),
-                    }
-                    # Where a paced create's time goes: when each step of its chain was seen, from the create's start.
-                    row["paced_chain_p50_ms"] = {k: round(1000 * statistics.median(v)) for k, v in chain.items()}
-                    row["paced_chain_p50_ms"]["first_pod"] = row["paced_first_pod_ms"]["p50"]
+                    if children:  # none with --paced 0: the idle figures alone
+                        row["paced_children_ms"] = {
+                            "p50": round(1000 * statistics.median(children)),
+                            "p99": round(1000 * percentile(children, 99)),
+                            "max": round(1000 * max(children)),
+                        }
+                        row["paced_first_pod_ms"] = {
+                            "p50": round(1000 * statistics.median(first_pod)),
+                            "p99": round(1000 * percentile(first_pod, 99)),
+                            "max": round(1000 * max(first_pod)),
+                        }
+                        # Where a paced create's time goes: each step of its chain seen, from the create's start.
+                        row["paced_chain_p50_ms"] = {k: round(1000 * statistics.median(v)) for k, v in chain.items()}
+                        row["paced_chain_p50_ms"]["first_pod"] = row["paced_first_pod_ms"]["p50"]
+                        progress(
+                            f"level {level}: paced children {row['paced_children_ms']} first pod "
+                            f"{row['paced_first_pod_ms']}"
+                        )
                     row["load_after_paced"] = loadavg()
-                    progress(
-                        f"level {level}: paced children {row['paced_children_ms']} first pod "
-                        f"{row['paced_first_pod_ms']}"
-                    )
                     results["levels"].append(row)
 
                 if args.burst:

@@ -1,6 +1,6 @@
 """A stand-in for every engine pod's health shim at once, for the operator's fleet benchmark.
 
-    python bench/operator_standin_shim.py --control-port 18099 [--no-health-poll]
+    python bench/operator_standin_shim.py --control-port 18099 [--no-health-poll | --no-held-polls]
 
 One process answers the shim's endpoints (SHIM_PORT) on every address of 127.0.0.0/8, which is where
 the test control plane's kwok puts pod IPs, so the operator polls "pod 127.16.3.7" over real HTTP and
@@ -9,6 +9,8 @@ the size of a real one: the flashmodel_* series the engine exports after vLLM's 
 model), so the operator pays the parse cost it pays in production when it reads that page. It also
 answers /health/poll (the operator's one-request poll) from the same state; with --no-health-poll it
 answers that path 404, as an engine from before it does, and the operator polls /metrics and /readyz.
+A steady pod's poll is held until its pod's fault changes (`?wait=&unless=`), answered at the engine's
+next recheck; with --no-held-polls it answers at once without a `state`, as an engine from before that.
 
 A control port (loopback only) injects faults per pod IP and reports counts:
     POST /fault?ip=127.16.0.9&kind=hung        /readyz answers 503 (/health/poll "ready": false) while /livez
@@ -23,8 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -47,7 +52,10 @@ from flashmodel_engine.contract import (  # noqa: E402
     REMEDIATION_RECOMMENDED,
     SHIM_PORT,
     STARTUP_PATH,
+    health_poll_state,
+    parse_health_poll_wait,
 )
+from flashmodel_engine.shim import HEALTH_POLL_RECHECK_SECONDS  # noqa: E402
 
 # vLLM's histograms (v0.x/v1 names) with their bucket counts: most of a real page's bytes.
 _VLLM_HISTOGRAMS = {
@@ -100,6 +108,7 @@ class Fleet:
         self.faults: dict[str, str] = {}
         self.generation: dict[str, int] = {}
         self.counts: Counter[str] = Counter()
+        self._changed: dict[str, asyncio.Event] = {}
         self.vllm = vllm_page("Qwen/Qwen2.5-0.5B-Instruct")
 
     def ours(self, ip: str) -> str:
@@ -113,13 +122,42 @@ class Fleet:
         )
         return generate_latest(r).decode()
 
+    def answer(self, ip: str, with_state: bool = True) -> dict[str, object]:
+        """The engine's health poll answer (flashmodel_engine.shim.health_poll_answer), from what /metrics shows."""
+        hung, diverging = self.faults.get(ip) == "hung", self.faults.get(ip) == "diverge"
+        generation = self.generation.setdefault(ip, 1)
+        answer: dict[str, object] = {
+            "ready": not hung,
+            "reason": "one-token generation timed out" if hung else "one-token generation answered in 9 ms",
+            "generation": generation,
+            "prewarmSucceeded": True,
+            "divergenceRatio": 0.2 if diverging else 0.0,
+            "divergenceRecommended": diverging,
+            "requestsRunning": 0.0,
+            "requestsWaiting": 0.0,
+        }
+        if with_state:
+            answer["state"] = health_poll_state(not hung, generation, True, diverging)
+        return answer
+
+    def changed(self, ip: str) -> asyncio.Event:
+        """Set when the pod's fault changes: what its held polls wait on."""
+        return self._changed.setdefault(ip, asyncio.Event())
+
+    def set_fault(self, ip: str, kind: str) -> None:
+        if kind == "none":
+            self.faults.pop(ip, None)
+        else:
+            self.faults[ip] = kind
+        self._changed.pop(ip, asyncio.Event()).set()
+
 
 def pod_ip(request: web.Request) -> str:
     sock = request.transport.get_extra_info("sockname") if request.transport else None
     return str(sock[0]) if sock else "?"
 
 
-def shim_app(fleet: Fleet, health_poll: bool = True) -> web.Application:
+def shim_app(fleet: Fleet, health_poll: bool = True, held_polls: bool = True) -> web.Application:
     def ok(body: dict[str, object], status: int = 200) -> web.Response:
         return web.json_response(body, status=status)
 
@@ -139,21 +177,28 @@ def shim_app(fleet: Fleet, health_poll: bool = True) -> web.Application:
 
     async def poll(request: web.Request) -> web.Response:
         fleet.counts["health/poll"] += 1
+        if not held_polls:
+            return ok(fleet.answer(pod_ip(request), with_state=False))
+        try:
+            wait, unless = parse_health_poll_wait(request.query)
+        except ValueError as e:
+            return ok({"ok": False, "reason": str(e)}, 400)
         ip = pod_ip(request)
-        hung, diverging = fleet.faults.get(ip) == "hung", fleet.faults.get(ip) == "diverge"
-        # The engine's answer (flashmodel_engine.shim.health_poll_answer), from the state /metrics shows.
-        return ok(
-            {
-                "ready": not hung,
-                "reason": "one-token generation timed out" if hung else "one-token generation answered in 9 ms",
-                "generation": fleet.generation.setdefault(ip, 1),
-                "prewarmSucceeded": True,
-                "divergenceRatio": 0.2 if diverging else 0.0,
-                "divergenceRecommended": diverging,
-                "requestsRunning": 0.0,
-                "requestsWaiting": 0.0,
-            }
-        )
+        answer = fleet.answer(ip)
+        if answer["state"] == unless and wait > 0:
+            fleet.counts["health/poll held"] += 1
+            start = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fleet.changed(ip).wait(), wait)
+            # The engine's shim looks again every HEALTH_POLL_RECHECK_SECONDS while it holds a poll, so
+            # a change is answered at its next look, not at once: the same delay here, without 1,000
+            # wake-ups a second on the benchmark's shared cores.
+            looked = time.monotonic() - start
+            if looked < wait:
+                tick = HEALTH_POLL_RECHECK_SECONDS
+                await asyncio.sleep(min(wait, math.ceil(looked / tick) * tick) - looked)
+            answer = fleet.answer(ip)
+        return ok(answer)
 
     async def prewarm(request: web.Request) -> web.Response:
         fleet.counts["prewarm"] += 1
@@ -183,10 +228,7 @@ def shim_app(fleet: Fleet, health_poll: bool = True) -> web.Application:
 def control_app(fleet: Fleet) -> web.Application:
     async def fault(request: web.Request) -> web.Response:
         ip, kind = request.query["ip"], request.query["kind"]
-        if kind == "none":
-            fleet.faults.pop(ip, None)
-        else:
-            fleet.faults[ip] = kind
+        fleet.set_fault(ip, kind)
         return web.json_response({"ip": ip, "kind": kind})
 
     async def counts(request: web.Request) -> web.Response:
@@ -197,10 +239,11 @@ def control_app(fleet: Fleet) -> web.Application:
     return app
 
 
-async def serve(control_port: int, health_poll: bool) -> None:
+async def serve(control_port: int, health_poll: bool, held_polls: bool) -> None:
     fleet = Fleet()
     runners = []
-    sites = ((shim_app(fleet, health_poll), "0.0.0.0", SHIM_PORT), (control_app(fleet), "127.0.0.1", control_port))
+    shim = shim_app(fleet, health_poll, held_polls)
+    sites = ((shim, "0.0.0.0", SHIM_PORT), (control_app(fleet), "127.0.0.1", control_port))
     for app, host, port in sites:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -213,6 +256,7 @@ async def serve(control_port: int, health_poll: bool) -> None:
                 "control_port": control_port,
                 "metrics_bytes": len(fleet.vllm + fleet.ours("127.0.0.1")),
                 "health_poll": health_poll,
+                "held_polls": health_poll and held_polls,
             }
         ),
         flush=True,
@@ -226,8 +270,13 @@ def main() -> None:
     parser.add_argument(
         "--no-health-poll", action="store_true", help="answer /health/poll 404, as an engine from before it"
     )
+    parser.add_argument(
+        "--no-held-polls",
+        action="store_true",
+        help="answer /health/poll at once and without a state, as an engine from before held polls",
+    )
     args = parser.parse_args()
-    asyncio.run(serve(args.control_port, health_poll=not args.no_health_poll))
+    asyncio.run(serve(args.control_port, health_poll=not args.no_health_poll, held_polls=not args.no_held_polls))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ engine config and checks it against the engine's own model (`flashmodel_engine.c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 ENGINE_PORT = 8000
 """vLLM's OpenAI server in the pod: the Service's target and the status endpoint."""
 SHIM_PORT = 8081
@@ -34,6 +36,41 @@ HEALTH_POLL_PATH = "/health/poll"
 A fleet's pods are polled every few seconds each; /readyz and a 33 kB /metrics page scanned for six
 series were most of the operator's idle CPU. An engine from before this path answers 404, and the
 operator then polls it the two-request way."""
+HEALTH_POLL_MAX_WAIT_SECONDS = 300.0
+"""The longest a health poll may wait for a change (`?wait=<seconds>&unless=<state>`).
+
+A steady pod's answer rarely changes, so the operator asks the shim to hold the poll until it
+would answer something else (readiness, the engine's generation, prewarm, the divergence
+recommendation) or the wait is over: a fleet's polls come every half minute instead of every few
+seconds, and a change is answered as the shim sees it, not at the next poll. An engine from
+before this ignores the query and answers at once, without a `state`."""
+
+
+def health_poll_state(ready: bool, generation: float, prewarm_succeeded: bool, divergence_recommended: bool) -> str:
+    """The `state` of a health poll's answer: the values the operator decides on, as one token.
+
+    Not the request counts or the divergence ratio, which move with traffic: a waiting poll
+    answers when this changes.
+    """
+    return f"r{int(ready)}g{generation:g}p{int(prewarm_succeeded)}d{int(divergence_recommended)}"
+
+
+def parse_health_poll_wait(query: Mapping[str, str]) -> tuple[float, str | None]:
+    """(seconds to wait, the state it waits to change from) of a health poll's query; ValueError says what to fix."""
+    raw, unless = query.get("wait"), query.get("unless")
+    if raw is None:
+        if unless is not None:
+            raise ValueError("unless= needs wait=<seconds>: how long to wait for the state to change")
+        return 0.0, None
+    try:
+        wait = float(raw)
+    except ValueError:
+        raise ValueError(f"wait={raw[:40]!r} is not a number of seconds") from None
+    if not 0 <= wait <= HEALTH_POLL_MAX_WAIT_SECONDS:  # NaN fails this too
+        raise ValueError(f"wait={raw[:40]!r} is outside 0-{HEALTH_POLL_MAX_WAIT_SECONDS:g} seconds")
+    if wait > 0 and not unless:
+        raise ValueError("wait=<seconds> needs unless=<state>: the `state` of the answer the caller holds")
+    return wait, unless
 
 # Series the shim exports and the operator (or the autoscaler it renders) decides on.
 ENGINE_GENERATION = "flashmodel_engine_generation"

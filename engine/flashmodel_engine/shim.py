@@ -23,6 +23,8 @@ from flashmodel_engine.contract import (
     PREWARM_PATH,
     READINESS_PATH,
     STARTUP_PATH,
+    health_poll_state,
+    parse_health_poll_wait,
 )
 from flashmodel_engine.engine_process import EngineProcess
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
@@ -35,6 +37,12 @@ log = logging.getLogger("flashmodel.shim")
 READINESS_PROMPT = "ready"
 SAMPLE_INTERVAL_ENV = "FLASHMODEL_SAMPLE_INTERVAL_SECONDS"
 PREWARM_BODY_KEYS = {"requests", "prompts"}
+HEALTH_POLL_RECHECK_SECONDS = 1.0
+"""How often a held health poll looks again: the divergence signal moves at each sample (2 s) and
+readiness at each HEALTH_POLL_READINESS_SECONDS, so a change waits at most this long to be answered."""
+HEALTH_POLL_READINESS_SECONDS = 5.0
+"""While a poll is held, a readiness generation at most this often (the operator's default poll period):
+holding the poll must not run more generations than polling did, even with readiness_cache_seconds 0."""
 
 
 def connect_host(bind_host: str) -> str:
@@ -57,15 +65,17 @@ def health_poll_answer(ready: bool, reason: str, generation: int, prewarm_succee
     The generation is the engine process's own count, which the flashmodel_engine_generation gauge
     copies at each sample.
     """
+    recommended = metrics.divergence.recommended
     return {
         "ready": ready,
         "reason": reason,
         "generation": generation,
         "prewarmSucceeded": prewarm_succeeded,
         "divergenceRatio": metrics.divergence.ratio,
-        "divergenceRecommended": metrics.divergence.recommended,
+        "divergenceRecommended": recommended,
         "requestsRunning": sample.running if sample is not None else 0.0,
         "requestsWaiting": sample.waiting if sample is not None else 0.0,
+        "state": health_poll_state(ready, generation, prewarm_succeeded, recommended),
     }
 
 
@@ -123,6 +133,7 @@ class EngineShim:
         self.memory = MemoryReader()
         self.started = False
         self.draining = False
+        self.closing = False
         self.prewarm_result: PrewarmResult | None = None
         self.prewarmed_generation: int | None = None
         """The engine process generation whose prewarm succeeded: a later failed prewarm of the same
@@ -167,6 +178,7 @@ class EngineShim:
                  self.config.server.shim_port, self.base_url)
 
     async def stop(self) -> None:
+        self.closing = True  # a held health poll answers now instead of holding the server's shutdown
         for task in (self._sampler, self._prewarm_task, self._ready_task):
             if task is not None:
                 task.cancel()
@@ -204,8 +216,11 @@ class EngineShim:
 
     # -- readiness -------------------------------------------------------------------------------
 
-    async def readiness(self) -> tuple[bool, str]:
-        """Ready = not draining, loaded, prewarmed (when enabled) and a real generation answers."""
+    async def readiness(self, reuse_seconds: float = 0.0) -> tuple[bool, str]:
+        """Ready = not draining, loaded, prewarmed (when enabled) and a real generation answers.
+
+        The generation's result is reused for readiness_cache_seconds, or `reuse_seconds` where longer.
+        """
         if self.draining:
             return False, "draining: SIGTERM received, finishing in-flight requests"
         if not self.engine.alive():
@@ -216,7 +231,8 @@ class EngineShim:
             why = self.prewarm_result.error if self.prewarm_result else "not run yet"
             return False, f"prewarm has not succeeded ({why}); POST /prewarm"
         now = time.monotonic()
-        if self._ready is not None and now - self._ready[0] < self.config.health.readiness_cache_seconds:
+        reuse = max(reuse_seconds, self.config.health.readiness_cache_seconds)
+        if self._ready is not None and now - self._ready[0] < reuse:
             return self._ready[1], self._ready[2] + " (cached)"
         # One check at a time: a burst of probes must not become a burst of generations.
         if self._ready_task is None or self._ready_task.done():
@@ -409,10 +425,25 @@ class EngineShim:
         return web.Response(body=self.metrics.render(text), content_type="text/plain",
                             headers={"X-Content-Type-Options": "nosniff"})
 
+    async def health_poll(self, reuse_seconds: float = 0.0) -> dict[str, Any]:
+        ok, reason = await self.readiness(reuse_seconds)
+        prewarmed = self.prewarmed_generation == self.engine.generation
+        return health_poll_answer(ok, reason, self.engine.generation, prewarmed, self.metrics, self._last_sample)
+
     async def handle_health_poll(self, request: web.Request) -> web.Response:
         # 200 whenever the shim answers: readiness is in the body, and a status other than 200 tells
         # the operator that the poll itself failed.
-        ok, reason = await self.readiness()
-        prewarmed = self.prewarmed_generation == self.engine.generation
-        return web.json_response(health_poll_answer(ok, reason, self.engine.generation, prewarmed, self.metrics,
-                                                    self._last_sample))
+        try:
+            wait, unless = parse_health_poll_wait(request.query)
+        except ValueError as e:
+            return _reply(400, False, f"{HEALTH_POLL_PATH}: {e}")
+        answer = await self.health_poll()
+        deadline = time.monotonic() + wait
+        # Held while nothing the operator decides on changed, looking again every HEALTH_POLL_RECHECK_SECONDS:
+        # a change (draining, the engine gone or restarted, divergence, a failed generation) is answered
+        # within that. A look runs a readiness generation only where the last is HEALTH_POLL_READINESS_SECONDS
+        # old (readiness_cache_seconds where longer), as often as a poll every monitorSeconds asked for one.
+        while answer["state"] == unless and not self.closing and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(HEALTH_POLL_RECHECK_SECONDS, left))
+            answer = await self.health_poll(HEALTH_POLL_READINESS_SECONDS)
+        return web.json_response(answer)

@@ -29,7 +29,7 @@ from flashmodel_operator.prewarm_gate import prewarm
 from flashmodel_operator.remediation import CONFIRM_SECONDS, PodHealth
 from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
 from flashmodel_operator.settings import current
-from flashmodel_operator.shim_client import ShimClient, ShimConnection
+from flashmodel_operator.shim_client import ShimClient, ShimConnection, ShimReading
 from flashmodel_operator.standby_gate import serve_if_needed, stand_by_if_surplus, template_of
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,25 @@ def poll_delay(now: float, deadlines: list[float]) -> float:
         # A little past the threshold, so the comparison `now - since >= threshold` holds on that poll.
         delay = min(delay, max(0.1, deadline - now + 0.05))
     return delay
+
+
+def holds_polls(ready: bool, metrics: ShimReading | None, pod: dict[str, Any], spec: FlashModelSpec) -> bool:
+    """Whether the pod's next health poll may wait in the shim for a change (health_poll_wait_seconds).
+
+    Only a steady pod's: ready in the shim and in its Ready condition (other pods' remediation
+    counts it as a serving endpoint from its last poll), no divergence, an engine that answers a
+    `state`, and a model without standbys, whose promotion and step-back are decided on each
+    pod's poll and must not wait half a minute for it.
+    """
+    return (
+        current().health_poll_wait_seconds > 0
+        and ready
+        and metrics is not None
+        and bool(metrics.state)
+        and not metrics.divergence_recommended
+        and spec.standby_replicas == 0
+        and pod_is_ready(pod)
+    )
 
 
 class PodWatch:
@@ -91,6 +110,8 @@ class PodWatch:
         self.divergent_since: float | None = None
         self.readyz_failing_since: float | None = None
         self.restarts_seen: int | None = None
+        self.held_state: str | None = None
+        """The state of a steady pod's last health poll answer: its next poll waits in the shim for a change."""
         self.prewarm_failure: str | None = None
         """Set once every prewarm attempt failed: the pod waits for its turn to be replaced."""
         self.template = ""
@@ -229,8 +250,11 @@ class PodWatch:
             return 0.5
         # One request for the readiness result and the metrics values (two on an engine from before
         # the health poll). Liveness only matters once generation fails (hung = alive but not
-        # generating), so a steady pod is not asked for it.
-        metrics, ready = await shim.poll(spec.health.readiness_deadline_seconds + 2)
+        # generating), so a steady pod is not asked for it. A steady pod's poll is held by the shim
+        # until its answer changes (or health_poll_wait_seconds, jittered, pass).
+        held, self.held_state = self.held_state, None
+        wait = current().health_poll_wait_seconds * random.uniform(1 - POLL_JITTER, 1 + POLL_JITTER) if held else 0.0
+        metrics, ready = await shim.poll(spec.health.readiness_deadline_seconds + 2, wait=wait, unless=held)
         live = True if ready else await shim.live()
         if metrics is not None:
             if self.generation_seen is None:
@@ -275,6 +299,10 @@ class PodWatch:
             deadlines.append(self.readyz_failing_since + spec.remediation.hung_readiness_seconds)
         if self.divergent_since is not None:
             deadlines.append(self.divergent_since + CONFIRM_SECONDS)
+        if not deadlines and holds_polls(ready, metrics, pod, spec):
+            assert metrics is not None
+            self.held_state = metrics.state
+            return 0.0
         return poll_delay(time.monotonic(), deadlines)
 
     async def set_gate(self, value: bool, reason: str, message: str) -> None:

@@ -7,6 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 from flashmodel_engine.contract import (
@@ -39,6 +40,9 @@ class ShimReading:
     requests_running: float
     requests_waiting: float
     prewarm_succeeded: bool
+    state: str | None = None
+    """The health poll's `state` (what a held poll waits to change from); None from /metrics or an engine
+    from before held polls, which the operator then polls every monitor_seconds."""
 
 
 _READ_SERIES = (
@@ -125,6 +129,9 @@ def parse_health_poll(body: bytes) -> tuple[ShimReading, bool]:
             raise ValueError(f"health poll answer's {key!r} is not true or false: {value!r}")
         return value
 
+    state = doc.get("state")
+    if state is not None and not isinstance(state, str):
+        raise ValueError(f"health poll answer's 'state' is not a string: {state!r}")
     reading = ShimReading(
         generation=number("generation"),
         divergence_ratio=number("divergenceRatio"),
@@ -132,6 +139,7 @@ def parse_health_poll(body: bytes) -> tuple[ShimReading, bool]:
         requests_running=number("requestsRunning"),
         requests_waiting=number("requestsWaiting"),
         prewarm_succeeded=flag("prewarmSucceeded"),
+        state=state,
     )
     return reading, flag("ready")
 
@@ -302,16 +310,23 @@ class ShimClient:
         result["status"] = resp.status
         return result
 
-    async def poll(self, timeout: float) -> tuple[ShimReading | None, bool]:
+    async def poll(
+        self, timeout: float, wait: float = 0.0, unless: str | None = None
+    ) -> tuple[ShimReading | None, bool]:
         """One health poll: (the reading, or None when there is none; whether the pod is ready).
 
-        One small request to HEALTH_POLL_PATH. An engine from before it answers 404: then /metrics
+        One small request to HEALTH_POLL_PATH; with `wait` and `unless` (the state of the reading the
+        caller holds), held by the shim until its answer's state differs or `wait` seconds passed
+        (`timeout` is counted after the wait). An engine from before it answers 404: then /metrics
         and /readyz, as that engine's operator asked them. A shim that cannot be reached or answers
         anything else is a failed poll (no reading, not ready), as a failed /metrics and /readyz were.
         """
         asks = self.connection.health_poll if self.connection is not None else self._health_poll
         if asks:
-            status, body = await self._get(HEALTH_POLL_PATH, timeout)
+            path = HEALTH_POLL_PATH
+            if wait > 0 and unless:
+                path += "?" + urlencode({"wait": f"{wait:.1f}", "unless": unless})
+            status, body = await self._get(path, timeout + (wait if path != HEALTH_POLL_PATH else 0.0))
             if status == 200:
                 try:
                     return parse_health_poll(body)

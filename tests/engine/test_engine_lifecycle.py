@@ -90,6 +90,36 @@ def test_readyz_fails_while_the_engine_core_is_stopped_though_health_answers(eng
     assert metric(engine.metrics(), "flashmodel_remediation_recommended", 'reason="hung_readiness"') == 0
 
 
+def test_a_held_health_poll_answers_when_a_generation_fails_not_at_the_end_of_its_wait(engine: LaunchedEngine) -> None:
+    # The operator's steady-pod poll: `?wait=&unless=<state>` is held while the answer's state stays.
+    assert wait_status(engine, "/readyz", 200, 60), engine.tail()
+    state = engine.get("/health/poll").json()["state"]
+    start = time.monotonic()
+    held = engine.get(f"/health/poll?wait=2&unless={state}", timeout=20)
+    assert 2.0 <= time.monotonic() - start < 6.0 and held.json()["state"] == state and held.json()["ready"]
+    start = time.monotonic()
+    assert engine.get("/health/poll?wait=30&unless=r0g1p0d0", timeout=40).json()["ready"]  # not the state: at once
+    assert time.monotonic() - start < 5.0
+    for query, says in [("wait=abc&unless=x", "not a number"), ("wait=301&unless=x", "outside 0-300"),
+                        ("wait=5", "needs unless=")]:
+        bad = engine.get(f"/health/poll?{query}")
+        assert bad.status == 400 and says in bad.json()["reason"], (query, bad.text)
+
+    core = next(pid for pid, comm in children(engine.vllm_pid()).items() if "EngineCor" in comm)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        held = engine.get(f"/health/poll?wait=60&unless={state}", timeout=90)
+        answered = time.monotonic() - start
+    finally:
+        os.kill(core, signal.SIGCONT)
+    # A generation at most every 5 s while held, its deadline 2 s, a look every second.
+    assert answered < 12.0, answered
+    assert held.status == 200 and held.json()["ready"] is False and held.json()["state"] != state, held.text
+    assert "readinessDeadlineSeconds=2" in held.json()["reason"]
+    assert wait_status(engine, "/readyz", 200, 30), engine.tail()
+
+
 def test_readyz_and_livez_fail_while_the_api_server_is_stopped(engine: LaunchedEngine) -> None:
     vllm = engine.vllm_pid()
     os.kill(vllm, signal.SIGSTOP)

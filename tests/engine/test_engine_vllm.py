@@ -203,8 +203,9 @@ def test_the_health_poll_says_what_readyz_and_metrics_say_in_one_request(engine:
     raw = engine.get("/health/poll")
     assert raw.status == 200, raw.text
     assert set(raw.json()) == {"ready", "reason", "generation", "prewarmSucceeded", "divergenceRatio",
-                               "divergenceRecommended", "requestsRunning", "requestsWaiting"}
+                               "divergenceRecommended", "requestsRunning", "requestsWaiting", "state"}
     reading, ready = operator_poll(engine)
+    assert reading is not None and reading.state == raw.json()["state"]
     scraped = parse_metrics(engine.metrics())
     assert ready and engine.get("/readyz").status == 200
     assert reading is not None

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import aiohttp
 import pytest
 from aiohttp import web
+from flashmodel_engine.contract import health_poll_state, parse_health_poll_wait
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.eviction import REMEDIATIONS, decide, evict_and_record
 from flashmodel_operator.gating import PodWatch
@@ -281,10 +282,14 @@ class ShimServer:
     `health_poll=False` stands in for an engine from before /health/poll: it answers that path 404.
     """
 
-    def __init__(self, ready: bool = True, health_poll: bool = True) -> None:
+    def __init__(self, ready: bool = True, health_poll: bool = True, held_polls: bool = False) -> None:
         self.ready = ready
         self.health_poll = health_poll
+        self.held_polls = held_polls
+        """Answer with a `state` and hold a poll that asks `?wait=&unless=` until `change()` (the engine's shim)."""
+        self.changed = asyncio.Event()
         self.requests: dict[str, int] = {}
+        self.queries: list[dict[str, str]] = []
         self.port = 0
         self.runner: web.AppRunner | None = None
 
@@ -296,7 +301,14 @@ class ShimServer:
             if request.path == "/health/poll":
                 if not self.health_poll:
                     return web.json_response({"ok": False}, status=404)
-                return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready))
+                if not self.held_polls:
+                    return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready))
+                self.queries.append(dict(request.query))
+                wait, unless = parse_health_poll_wait(request.query)
+                if unless == self.state():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.changed.wait(), wait)
+                return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready, state=self.state()))
             ok = self.ready or request.path != "/readyz"
             return web.json_response({"ok": ok}, status=200 if ok else 503)
 
@@ -312,6 +324,14 @@ class ShimServer:
     async def __aexit__(self, *exc: object) -> None:
         assert self.runner is not None
         await self.runner.cleanup()
+
+    def state(self) -> str:
+        return health_poll_state(self.ready, 1, True, False)
+
+    def change(self, ready: bool) -> None:
+        self.ready = ready
+        self.changed.set()
+        self.changed = asyncio.Event()
 
 
 METRICS_PAGE = (
@@ -436,3 +456,71 @@ async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_t
         use(OperatorSettings())
     assert second is not None and 1.5 <= second <= 2.3, second
     assert shim.requests["/livez"] == 2  # liveness is asked only while readiness fails
+
+
+def _held_watch(shim: ShimServer, session: aiohttp.ClientSession, spec: dict[str, Any] | None = None) -> PodWatch:
+    model = dict(WATCHED_MODEL, spec={**WATCHED_MODEL["spec"], **(spec or {})})
+    watch = PodWatch(
+        NoReadsCluster(), session, "ns", "qwen-abc", "qwen-warm", live_body=_warm_pod(), flashmodels=lambda ns, n: model
+    )
+    watch.state.control_token = "token"
+    watch.shim_port = shim.port
+    return watch
+
+
+async def test_a_steady_pods_poll_waits_in_the_shim_and_a_change_is_answered_at_once() -> None:
+    # 1,000 steady pods polled every 5 s are 200 polls a second; held by the shim until their answer
+    # changes, 33 (30 s each), and a fault reaches the operator as the shim sees it.
+    use(OperatorSettings(monitor_seconds=5.0, health_poll_wait_seconds=2.0))
+    try:
+        async with ShimServer(held_polls=True) as shim, aiohttp.ClientSession() as session:
+            watch = _held_watch(shim, session)
+            assert await watch.step() == 0.0  # answered at once: nothing held yet
+            assert watch.held_state == shim.state() and shim.queries == [{}]
+
+            start = time.monotonic()
+            assert await watch.step() == 0.0
+            held = time.monotonic() - start
+            assert 1.7 <= held <= 2.6, held  # 2 s jittered by 10 %, then answered unchanged
+            wait = float(shim.queries[1]["wait"])
+            assert shim.queries[1]["unless"] == shim.state() and 1.8 <= wait <= 2.2
+
+            start = time.monotonic()
+            step = asyncio.create_task(watch.step())
+            await asyncio.sleep(0.3)
+            shim.change(ready=False)
+            delay = await step
+            assert time.monotonic() - start < 1.0
+    finally:
+        use(OperatorSettings())
+    # Failing readiness: polled again on its threshold (10 s) or every monitor_seconds, never held.
+    assert watch.readyz_failing_since is not None and watch.held_state is None
+    assert delay is not None and 4.5 <= delay <= 5.5
+    assert shim.requests["/health/poll"] == 3 and shim.requests["/livez"] == 1
+
+
+@pytest.mark.parametrize(
+    ("wait_seconds", "spec", "ready_condition", "held_polls"),
+    [
+        (0.0, {}, "True", True),
+        (2.0, {"standbyReplicas": 1}, "True", True),
+        (2.0, {}, "False", True),
+        (2.0, {}, "True", False),
+    ],
+    ids=["turned-off", "model-with-standbys", "not-yet-a-ready-endpoint", "engine-before-held-polls"],
+)
+async def test_a_poll_is_not_held_where_a_decision_waits_on_each_poll(
+    wait_seconds: float, spec: dict[str, Any], ready_condition: str, held_polls: bool
+) -> None:
+    use(OperatorSettings(monitor_seconds=5.0, health_poll_wait_seconds=wait_seconds))
+    try:
+        async with ShimServer(held_polls=held_polls) as shim, aiohttp.ClientSession() as session:
+            watch = _held_watch(shim, session, spec)
+            assert watch.live_body is not None
+            watch.live_body["status"]["conditions"][1]["status"] = ready_condition
+            delays = [await watch.step() for _ in range(2)]
+    finally:
+        use(OperatorSettings())
+    assert all(d is not None and 4.5 <= d <= 5.5 for d in delays), delays
+    assert watch.held_state is None
+    assert all("wait" not in q for q in shim.queries)

@@ -111,6 +111,7 @@ def test_an_unreadable_health_poll_is_refused(body: bytes) -> None:
 def test_the_operator_reads_the_health_poll_the_engine_writes() -> None:
     # The engine's answer, built by the function its handler uses, read by the operator's parser.
     from flashmodel_engine.config import RemediationSettings
+    from flashmodel_engine.contract import health_poll_state
     from flashmodel_engine.metrics import EngineMetrics, EngineSample
     from flashmodel_engine.shim import health_poll_answer
 
@@ -129,6 +130,7 @@ def test_the_operator_reads_the_health_poll_the_engine_writes() -> None:
         requests_running=2.0,
         requests_waiting=5.0,
         prewarm_succeeded=True,
+        state=health_poll_state(False, 3, True, True),
     )
     # Before vLLM's first sample: no request counts, not an error.
     reading, _ = parse_health_poll(json.dumps(health_poll_answer(True, "ok", 1, False, engine, None)).encode())
