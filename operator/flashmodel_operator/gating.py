@@ -233,7 +233,6 @@ class PodWatch:
     async def watch_health(
         self, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
     ) -> float | None:
-        now = time.monotonic()
         record = self.state.pods.setdefault(self.name, PodRecord(prewarmed=True))
         record.template = self.template
         restarts = container_restarts(pod)
@@ -256,6 +255,9 @@ class PodWatch:
         wait = current().health_poll_wait_seconds * random.uniform(1 - POLL_JITTER, 1 + POLL_JITTER) if held else 0.0
         metrics, ready = await shim.poll(spec.health.readiness_deadline_seconds + 2, wait=wait, unless=held)
         live = True if ready else await shim.live()
+        # After the poll, which a held one makes up to half a minute long: a fault's clock starts
+        # when the answer shows it, or its threshold would be counted from before the fault.
+        now = time.monotonic()
         if metrics is not None:
             if self.generation_seen is None:
                 self.generation_seen = metrics.generation
