@@ -40,6 +40,9 @@ PREWARM_BODY_KEYS = {"requests", "prompts"}
 HEALTH_POLL_RECHECK_SECONDS = 1.0
 """How often a held health poll looks again: the divergence signal moves at each sample (2 s) and
 readiness at each HEALTH_POLL_READINESS_SECONDS, so a change waits at most this long to be answered."""
+HEALTH_POLL_MAX_HELD = 16
+"""Held health polls at once; more are answered at once. The operator holds one per pod, but the shim's
+port is also the Service's: nobody may make the shim wake thousands of held polls every second."""
 HEALTH_POLL_READINESS_SECONDS = 5.0
 """While a poll is held, a readiness generation at most this often (the operator's default poll period):
 holding the poll must not run more generations than polling did, even with readiness_cache_seconds 0."""
@@ -134,6 +137,7 @@ class EngineShim:
         self.started = False
         self.draining = False
         self.closing = False
+        self._held_polls = 0
         self.prewarm_result: PrewarmResult | None = None
         self.prewarmed_generation: int | None = None
         """The engine process generation whose prewarm succeeded: a later failed prewarm of the same
@@ -438,6 +442,15 @@ class EngineShim:
         except ValueError as e:
             return _reply(400, False, f"{HEALTH_POLL_PATH}: {e}")
         answer = await self.health_poll()
+        if answer["state"] != unless or self._held_polls >= HEALTH_POLL_MAX_HELD:
+            return web.json_response(answer)
+        self._held_polls += 1
+        try:
+            return web.json_response(await self._hold_health_poll(answer, wait, unless))
+        finally:
+            self._held_polls -= 1
+
+    async def _hold_health_poll(self, answer: dict[str, Any], wait: float, unless: str | None) -> dict[str, Any]:
         deadline = time.monotonic() + wait
         # Held while nothing the operator decides on changed, looking again every HEALTH_POLL_RECHECK_SECONDS:
         # a change (draining, the engine gone or restarted, divergence, a failed generation) is answered
@@ -446,4 +459,4 @@ class EngineShim:
         while answer["state"] == unless and not self.closing and (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(HEALTH_POLL_RECHECK_SECONDS, left))
             answer = await self.health_poll(HEALTH_POLL_READINESS_SECONDS)
-        return web.json_response(answer)
+        return answer

@@ -253,6 +253,7 @@ class PodWatch:
         # until its answer changes (or health_poll_wait_seconds, jittered, pass).
         held, self.held_state = self.held_state, None
         wait = current().health_poll_wait_seconds * random.uniform(1 - POLL_JITTER, 1 + POLL_JITTER) if held else 0.0
+        asked = time.monotonic()
         metrics, ready = await shim.poll(spec.health.readiness_deadline_seconds + 2, wait=wait, unless=held)
         live = True if ready else await shim.live()
         # After the poll, which a held one makes up to half a minute long: a fault's clock starts
@@ -304,7 +305,10 @@ class PodWatch:
         if not deadlines and holds_polls(ready, metrics, pod, spec):
             assert metrics is not None
             self.held_state = metrics.state
-            return 0.0
+            if held != metrics.state or now - asked >= wait / 2:
+                return 0.0
+            # The same answer at once: the shim held no poll (its limit of held polls was reached), so
+            # this pod is polled every monitor_seconds, asking again to be held each time.
         return poll_delay(time.monotonic(), deadlines)
 
     async def set_gate(self, value: bool, reason: str, message: str) -> None:

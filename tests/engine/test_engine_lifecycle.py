@@ -105,6 +105,21 @@ def test_a_held_health_poll_answers_when_a_generation_fails_not_at_the_end_of_it
         bad = engine.get(f"/health/poll?{query}")
         assert bad.status == 400 and says in bad.json()["reason"], (query, bad.text)
 
+    # The port is also the Service's: past HEALTH_POLL_MAX_HELD held at once, a poll is answered at once.
+    from flashmodel_engine.shim import HEALTH_POLL_MAX_HELD
+
+    async def many(count: int) -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            async def one() -> float:
+                start = time.monotonic()
+                async with session.get(f"{engine.shim}/health/poll?wait=4&unless={state}") as r:
+                    assert r.status == 200 and (await r.json())["state"] == state
+                return time.monotonic() - start
+            return list(await asyncio.gather(*(one() for _ in range(count))))
+
+    times = sorted(asyncio.run(many(HEALTH_POLL_MAX_HELD + 2)))
+    assert times[1] < 2.0 and times[2] >= 3.5, times  # two answered at once, the rest held
+
     core = next(pid for pid, comm in children(engine.vllm_pid()).items() if "EngineCor" in comm)
     os.kill(core, signal.SIGSTOP)
     try:

@@ -282,10 +282,14 @@ class ShimServer:
     `health_poll=False` stands in for an engine from before /health/poll: it answers that path 404.
     """
 
-    def __init__(self, ready: bool = True, health_poll: bool = True, held_polls: bool = False) -> None:
+    def __init__(
+        self, ready: bool = True, health_poll: bool = True, held_polls: bool = False, holds: bool = True
+    ) -> None:
         self.ready = ready
         self.health_poll = health_poll
         self.held_polls = held_polls
+        self.holds = holds
+        """False: answers a state but holds nothing, as a shim at its limit of held polls."""
         """Answer with a `state` and hold a poll that asks `?wait=&unless=` until `change()` (the engine's shim)."""
         self.changed = asyncio.Event()
         self.requests: dict[str, int] = {}
@@ -305,7 +309,7 @@ class ShimServer:
                     return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready))
                 self.queries.append(dict(request.query))
                 wait, unless = parse_health_poll_wait(request.query)
-                if unless == self.state():
+                if unless == self.state() and self.holds:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.changed.wait(), wait)
                 return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready, state=self.state()))
@@ -526,3 +530,18 @@ async def test_a_poll_is_not_held_where_a_decision_waits_on_each_poll(
     assert all(d is not None and 4.5 <= d <= 5.5 for d in delays), delays
     assert watch.held_state is None
     assert all("wait" not in q for q in shim.queries)
+
+
+async def test_a_shim_that_holds_no_poll_is_polled_every_monitor_seconds_not_in_a_loop() -> None:
+    # The shim's port is also the Service's: where others hold its limit of held polls, it answers the
+    # operator's at once, and asking again at once would poll it as fast as it answers.
+    use(OperatorSettings(monitor_seconds=5.0, health_poll_wait_seconds=2.0))
+    try:
+        async with ShimServer(held_polls=True, holds=False) as shim, aiohttp.ClientSession() as session:
+            watch = _held_watch(shim, session)
+            delays = [await watch.step() for _ in range(3)]
+    finally:
+        use(OperatorSettings())
+    assert delays[0] == 0.0  # not yet asked to be held
+    assert all(d is not None and 4.5 <= d <= 5.5 for d in delays[1:]), delays
+    assert [q.get("unless") for q in shim.queries] == [None, shim.state(), shim.state()]  # asked each time
