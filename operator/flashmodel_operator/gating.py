@@ -169,10 +169,10 @@ class PodWatch:
             steady = gate_is_true(self.live_body) and self.gate_written is not False
             waiting = gate_is_standby(self.live_body) and self.gate_written is not True
             if steady or waiting:
-                # A warm pod, polled every few seconds for as long as it lives: the watch stream's
-                # view is current enough for its health, and 1,000 pods would otherwise cost
-                # 200 pod reads a second. Anything in transition (prewarm, a gate this watch just
-                # closed) reads the pod fresh below.
+                # A warm pod, polled for as long as it lives: the watch stream's view is current
+                # enough for its health, and a read per poll would cost 1,000 pods up to 200 pod
+                # reads a second. Anything in transition (prewarm, a gate this watch just closed)
+                # reads the pod fresh below.
                 pod = dict(self.live_body)
         if pod is None:
             pod = await self.api(self.cluster.get, "v1", "Pod", self.namespace, self.name)
