@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,24 @@ def cpu_model(
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def remove_stale_pod_networks() -> list[str]:
+    """Delete the pod networks of test runs whose process is gone; returns their names.
+
+    A run killed before its clean-up leaves its namespaces, and with them host addresses on the
+    subnets the next run gives its pods (10.SUBNET_BASE.n.0/24): the host then routes a pod's IP to
+    the dead namespace, and the pod's shim looks unreachable.
+    """
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    stale = []
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = re.fullmatch(r"fm(\d+)-\d+", name)
+        if match is not None and int(match.group(1)) != os.getpid() and not Path(f"/proc/{match.group(1)}").exists():
+            remove_pod_network(name)
+            stale.append(name)
+    return stale
 
 
 def make_pod_network(n: int) -> tuple[str, str]:
@@ -414,6 +433,8 @@ class EngineKubelet:
 
     def __enter__(self) -> EngineKubelet:
         end_orphaned_engines()
+        for name in remove_stale_pod_networks():
+            log.warning("event=stale-pod-network-removed netns=%s", name)
         self._thread.start()
         return self
 
