@@ -404,6 +404,10 @@ class EngineTree:
         return int(self.proc.returncode)
 
 
+class KubeletSyncError(RuntimeError):
+    """A sync pass could not read the node's pods; the pass is skipped and the engines keep running."""
+
+
 class EngineKubelet:
     """Runs the engine processes for the engine pods of one namespace."""
 
@@ -464,7 +468,9 @@ class EngineKubelet:
     def _list_pods(self) -> list[dict[str, Any]]:
         out = self.cp.kubectl("get", "pods", "-n", self.namespace, "-o", "json", check=False)
         if out.returncode != 0:
-            return []
+            # A kubelet that cannot read its pods keeps running the ones it has: an empty list here
+            # would kill every engine as "gone" and start them again when the API server answers.
+            raise KubeletSyncError(f"cannot list pods in {self.namespace}: {out.stderr.strip()[:200]}")
         items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
         return [p for p in items if (p["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/status") == "custom"]
 
