@@ -27,7 +27,11 @@ from e2e.harness.operator_run import get_json, wait_for
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "charts" / "flashmodel-operator" / "files" / "dashboards" / "flashmodel-fleet.json"
+CHART = ROOT / "charts" / "flashmodel-operator"
+DASHBOARD = CHART / "files" / "dashboards" / "flashmodel-fleet.json"
+OPERATOR_JOB = "flashmodel-operator"
+ALERT_HOLD = "5s"
+"""Every alert's `for`, shortened from the chart's minutes so that the tests see them fire."""
 MODEL = "scaling"
 TARGET_RPS = 0.3
 """Client requests per second per replica the model's autoscaler aims for."""
@@ -38,18 +42,37 @@ ENGINE_START_TIMEOUT = 420
 
 @pytest.fixture(scope="module")
 def parts(
-    control_plane: ControlPlane, operator: Path, prometheus_port: int, operator_metrics_port: int
+    control_plane: ControlPlane,
+    operator: Path,
+    prometheus_port: int,
+    operator_metrics_port: int,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Prometheus, Keda]]:
-    """Prometheus on the port the operator gives KEDA's triggers (it also scrapes the operator), and KEDA."""
+    """Prometheus on the port the operator gives KEDA's triggers (it also scrapes the operator and
+    evaluates the chart's alerting rules), and KEDA."""
     operator_job = {
-        "job_name": "flashmodel-operator",
+        "job_name": OPERATOR_JOB,
         "static_configs": [{"targets": [f"127.0.0.1:{operator_metrics_port}"]}],
     }
+    rules = _alert_rules(control_plane, tmp_path_factory.mktemp("rules"))
     with (
-        Prometheus(control_plane, port=prometheus_port, extra_jobs=[operator_job]) as prom,
+        Prometheus(control_plane, port=prometheus_port, extra_jobs=[operator_job], rule_files=[rules]) as prom,
         Keda(control_plane) as keda,
     ):
         yield prom, keda
+
+
+def _alert_rules(cp: ControlPlane, where: Path) -> Path:
+    """The chart's alerting rules as helm renders them for a plain Prometheus, for this test's operator job."""
+    holds = [f"alerts.{hold}={ALERT_HOLD}" for hold in
+             ("noReadyEndpointFor", "prewarmFailingFor", "autoscalerBlindFor", "operatorDownFor")]
+    sets = ["alerts.configMap.enabled=true", f"alerts.operatorJob={OPERATOR_JOB}", *holds]
+    out = cp.helm("template", "fm", str(CHART), *[a for s in sets for a in ("--set", s)]).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    [config_map] = [d for d in docs if d["metadata"]["name"] == "fm-flashmodel-operator-alerts"]
+    path = where / "rules.yaml"
+    path.write_text(config_map["data"]["rules.yaml"])
+    return path
 
 
 def _model(ns: str, tiny_model: Path) -> dict[str, Any]:
@@ -152,6 +175,26 @@ def test_the_hpa_reads_the_models_own_series_through_prometheus_and_keda(
     assert len(autoscaler["metrics"]) == 3, autoscaler
 
 
+def test_the_charts_alerting_rules_load_and_stay_quiet_while_the_model_serves(
+    control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
+) -> None:
+    ns, _, prom, _ = scaling
+    wait_for("model Ready with 1 pod prewarmed", lambda: _ready_with(control_plane, ns, 1),
+             timeout=ENGINE_START_TIMEOUT, interval=2)
+    groups = prom.rule_groups()
+    assert {g["name"] for g in groups} == {"flashmodel-slo", "flashmodel-serving", "flashmodel-operator"}
+    broken = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] == "err"]
+    assert not broken
+    # The prewarm's requests went through vLLM: the SLO's recording rule has the model's ratio.
+    prom.wait_for_series(f'flashmodel:ttft_slo_errors:ratio_rate5m{{namespace="{ns}",flashmodel="{MODEL}"}}',
+                         timeout=60)
+    # Past every alert's hold: the serving model and the running operator raise nothing.
+    time.sleep(2 * int(ALERT_HOLD.removesuffix("s")))
+    for alert in ("FlashModelNoReadyEndpoint", "FlashModelPrewarmFailing", "FlashModelAutoscalerBlind"):
+        assert not prom.firing(alert, namespace=ns), alert
+    assert not prom.firing("FlashModelOperatorDown")
+
+
 def test_load_at_three_times_the_target_scales_to_two_within_three_minutes(
     control_plane: ControlPlane, scaling: tuple[str, EngineKubelet, Prometheus, Keda]
 ) -> None:
@@ -234,6 +277,11 @@ def test_with_prometheus_or_the_metrics_adapter_down_the_condition_says_so_withi
                             timeout=60, interval=1)
             print(f"bench: {what} stopped -> Autoscaling=False {cond['reason']} after {time.monotonic() - t0:.1f}s")
             assert "FailedGet" in cond["reason"] or "Unavailable" in cond["reason"], cond
+            if what != "Prometheus":  # a stopped Prometheus evaluates no alert
+                reason = cond["reason"]
+                wait_for("FlashModelAutoscalerBlind firing", lambda: prom.firing(
+                    "FlashModelAutoscalerBlind", namespace=ns, flashmodel=MODEL, reason=reason),  # noqa: B023
+                    timeout=60, interval=1)
             # The model keeps serving at its replica count; nothing crashed.
             assert _condition(_fm(control_plane, ns), "Ready").get("status") == "True"
         finally:

@@ -52,7 +52,7 @@ missing() {
 
 cp_missing() { missing "$BIN_DIR" "${BINARIES[@]}"; }
 keda_missing() { missing "$KEDA_DIR" "${KEDA_FILES[@]}"; }
-prometheus_missing() { missing "$PROMETHEUS_DIR" prometheus; }
+prometheus_missing() { missing "$PROMETHEUS_DIR" prometheus promtool; }
 
 if ! cp_missing && ! keda_missing && ! prometheus_missing; then
   echo "$BIN_DIR"
@@ -180,11 +180,15 @@ build_prometheus() {
   log "building component=prometheus version=$PROMETHEUS_RELEASE"
   # remove_all_sd + enable_kubernetes_sd: of the ~28 service discoveries (each a cloud SDK) only
   # the one e2e uses. No builtinassets: the web UI is not needed, the HTTP API is.
+  # promtool checks and unit-tests the chart's alerting rules (tests/chart/test_alerts.py).
   GOBIN=$STAGE go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
     -ldflags "-s -w -X github.com/prometheus/common/version.Version=$PROMETHEUS_RELEASE" \
-    "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION"
-  "$STAGE/prometheus" --version >/dev/null 2>&1 || { log "error=binary-does-not-run binary=prometheus"; exit 1; }
-  mv -f "$STAGE/prometheus" "$PROMETHEUS_DIR/prometheus"
+    "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION" \
+    "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_VERSION"
+  for b in prometheus promtool; do
+    "$STAGE/$b" --version >/dev/null 2>&1 || { log "error=binary-does-not-run binary=$b"; exit 1; }
+    mv -f "$STAGE/$b" "$PROMETHEUS_DIR/$b"
+  done
   rm -rf "$STAGE"
   log "built dir=$PROMETHEUS_DIR seconds=$(( $(date +%s) - t0 ))"
   exec 7>&-

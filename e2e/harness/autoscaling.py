@@ -169,8 +169,10 @@ class Prometheus(_Part):
         start_timeout: float = 60,
         binary: Path | None = None,
         port: int | None = None,
+        rule_files: Iterable[Path] = (),
     ) -> None:
-        """`port`: a port chosen before start, when another process (the operator) must know the URL."""
+        """`port`: a port chosen before start, when another process (the operator) must know the URL.
+        `rule_files`: alerting and recording rules it loads and evaluates every scrape interval."""
         binary = prometheus_dir() / "prometheus" if binary is None else binary
         if not os.access(binary, os.X_OK):
             # Not Debian's package from PATH: it is built without Kubernetes service discovery.
@@ -185,6 +187,7 @@ class Prometheus(_Part):
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
             "scrape_configs": [*scrape_jobs(cp), *extra_jobs],
+            "rule_files": [str(p) for p in rule_files],
         }
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.component = Component(
@@ -258,6 +261,16 @@ class Prometheus(_Part):
         if kind == "scalar":
             return [Sample({}, float(result[1]), float(result[0]))]
         raise PrometheusQueryError(f"query {promql!r}: result type {kind}, expected vector or scalar")
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        """The loaded rule groups (/api/v1/rules): each rule with its health, lastError and state."""
+        groups: list[dict[str, Any]] = self._get("/api/v1/rules")["groups"]
+        return groups
+
+    def firing(self, alertname: str, **labels: str) -> list[Sample]:
+        """The firing alerts of that name whose labels include `labels` (the ALERTS series)."""
+        matchers = "".join(f', {k}="{v}"' for k, v in labels.items())
+        return self.query(f'ALERTS{{alertname="{alertname}", alertstate="firing"{matchers}}}')
 
     def targets(self) -> list[dict[str, Any]]:
         """The active scrape targets (/api/v1/targets): labels, health, lastError, scrapeUrl."""

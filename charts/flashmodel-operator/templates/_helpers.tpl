@@ -67,4 +67,36 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* The operator image reference. */}}
 {{- define "flashmodel-operator.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- with .Values.image.digest }}@{{ . }}{{ end }}
+{{- end }}
+
+{{/*
+A resource quantity (cpu or memory, e.g. 500m, 0.5, 128Mi, 1G) as a number of base units, for
+comparing a request with its limit; the values schema has already checked the form.
+*/}}
+{{- define "flashmodel-operator.quantity" -}}
+{{- $q := toString . -}}
+{{- $suffix := regexFind "(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)$" $q -}}
+{{- $number := trimSuffix $suffix $q | float64 -}}
+{{- $scale := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
+    "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- mulf $number (get $scale $suffix) -}}
+{{- end }}
+
+{{/*
+What the values schema cannot compare across fields: a request above its limit (the API server
+would refuse the Deployment after the install) and the health and metrics endpoints on one port.
+*/}}
+{{- define "flashmodel-operator.checks" -}}
+{{- $requests := .Values.resources.requests | default dict -}}
+{{- range $resource, $limit := .Values.resources.limits | default dict }}
+{{- with get $requests $resource }}
+{{- if gt (include "flashmodel-operator.quantity" . | float64) (include "flashmodel-operator.quantity" $limit | float64) }}
+{{- fail (printf "resources.requests.%s (%v) is above resources.limits.%s (%v): lower the request or raise the limit" $resource . $resource $limit) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.metrics.enabled (eq (int .Values.healthPort) (int .Values.metrics.port)) }}
+{{- fail (printf "healthPort and metrics.port are both %v: the liveness endpoint and the metrics need a port each" .Values.healthPort) }}
+{{- end }}
 {{- end }}
