@@ -537,7 +537,7 @@ def test_service_monitor_is_off_by_default_and_needs_metrics() -> None:
     )
     monitor = one(docs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s", "honorLabels": True}]
     service = one(docs, "Service")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     c = container(docs)
