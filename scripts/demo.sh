@@ -11,7 +11,10 @@
 #   bash scripts/demo.sh --keep           # stays up at the end until Ctrl-C; prints the KUBECONFIG
 #
 # The serving acts need root (each engine pod gets a network namespace, `ip netns`) and the
-# engine venv, which this script installs the first time (scripts/setup-engine.sh).
+# engine venv, which this script installs the first time (scripts/setup-engine.sh). The first
+# run builds the control plane from Go modules and installs torch and vLLM for the CPU, under
+# ~/.cache/flashmodel (the README's Quick start says how long and how much disk); the build's own
+# output goes to log files there, and this script prints one line per step.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -27,7 +30,7 @@ for arg in "$@"; do
   case $arg in
     --objects-only) OBJECTS_ONLY=1 ;;
     --keep) ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) log "unknown argument '$arg'; use --objects-only, --keep or --help"; exit 2 ;;
   esac
 done
@@ -46,17 +49,21 @@ mapfile -t DEPS < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(ope
 log "event=ready what=operator-venv seconds=$(( $(date +%s) - t ))"
 
 t=$(date +%s)
-log "event=check what=control-plane-binaries note='the first run builds them from Go modules: see docs/control-plane.md for the time'"
-BIN=$(bash scripts/testbin.sh | tail -n 1)
+BUILD_LOG="$CACHE/demo-control-plane-build.log"
+log "event=check what=control-plane-binaries log=$BUILD_LOG note='the first run builds them from Go modules: minutes, see the log'"
+mkdir -p "$CACHE"
+BIN=$(bash scripts/testbin.sh --control-plane-only 2>"$BUILD_LOG" | tail -n 1) \
+  || { log "event=failed what=control-plane-binaries log=$BUILD_LOG"; tail -n 20 "$BUILD_LOG" >&2; exit 1; }
 export FLASHMODEL_TESTBIN="$BIN" PATH="$BIN:$PATH"
 log "event=ready what=control-plane-binaries seconds=$(( $(date +%s) - t )) dir=$BIN"
 
 if [[ -z $OBJECTS_ONLY ]]; then
   if ! "$ENGINE_VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("vllm") else 1)' 2>/dev/null; then
     t=$(date +%s)
-    log "event=install what=engine-venv path=$ENGINE_VENV note='torch and vLLM for the CPU, about 5 GB: many minutes on the first run; --objects-only needs none of it'"
-    bash scripts/setup-engine.sh >&2 \
-      || { log "event=failed what=engine-venv hint='rerun bash scripts/setup-engine.sh and read its error, or use --objects-only'"; exit 1; }
+    ENGINE_LOG="$CACHE/demo-engine-setup.log"
+    log "event=install what=engine-venv path=$ENGINE_VENV log=$ENGINE_LOG note='torch and vLLM for the CPU, about 5 GB: several minutes on the first run; --objects-only needs none of it'"
+    bash scripts/setup-engine.sh >"$ENGINE_LOG" 2>&1 \
+      || { log "event=failed what=engine-venv log=$ENGINE_LOG hint='read the log, rerun bash scripts/setup-engine.sh, or use --objects-only'"; tail -n 20 "$ENGINE_LOG" >&2; exit 1; }
     log "event=ready what=engine-venv seconds=$(( $(date +%s) - t ))"
   fi
 fi

@@ -53,6 +53,7 @@ while [[ $# -gt 0 ]]; do
             tiers+=("$2"); shift 2 ;;
     --tier=*) tiers+=("${1#--tier=}"); shift ;;
     --setup-only) setup_only=1; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -191,6 +192,9 @@ if wants unit; then
     log "event=types"
     "$(dirname "$py")/mypy"
     typed=1
+  elif [[ $needs_setup -eq 0 && -x "$VENV/bin/python" ]]; then
+    # The demo's engine venv has vLLM but not the test tools (kopf, pytest, ruff, mypy).
+    log "event=types-skipped why='the engine venv $VENV lacks the test tools: bash scripts/test.sh --setup-only adds them, then again'"
   elif [[ $needs_setup -eq 0 ]]; then
     log "event=types-skipped why='mypy needs the engine venv: bash scripts/test.sh --setup-only, then again'"
   fi

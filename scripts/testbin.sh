@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the e2e binaries (etcd, kube-*, kwok, helm; KEDA, Prometheus) from Go modules into versioned caches.
 #
-# Usage: scripts/testbin.sh [--print-dir | --print-keda-dir | --print-prometheus-dir]
+# Usage: scripts/testbin.sh [--control-plane-only | --print-dir | --print-keda-dir | --print-prometheus-dir]
 #   Builds only what is missing in ${FLASHMODEL_CACHE:-$HOME/.cache/flashmodel}/testbin/<key>/ (the
 #   control plane), .../testbin/keda-<version>/ (KEDA: operator, adapter, crds/) and
 #   .../testbin/prometheus-<version>/, and prints the control-plane directory as the last line of
-#   stdout. The --print-* options print a directory without building.
+#   stdout. The --print-* options print a directory without building; --control-plane-only builds
+#   the control plane alone (the demo runs neither KEDA nor Prometheus).
 # Why Go modules: CI and dev machines reach only package registries (no Docker, no GitHub
 # releases), see docs/control-plane.md.
 set -euo pipefail
@@ -32,7 +33,9 @@ KEDA_DIR=$CACHE/testbin/keda-$KEDA_VERSION
 KEDA_FILES=(operator adapter crds/.complete)
 PROMETHEUS_DIR=$CACHE/testbin/prometheus-$PROMETHEUS_RELEASE
 
+CONTROL_PLANE_ONLY=0
 case ${1:-} in
+  --control-plane-only) CONTROL_PLANE_ONLY=1 ;;
   --print-dir) echo "$BIN_DIR"; exit 0 ;;
   --print-keda-dir) echo "$KEDA_DIR"; exit 0 ;;
   --print-prometheus-dir) echo "$PROMETHEUS_DIR"; exit 0 ;;
@@ -54,7 +57,7 @@ cp_missing() { missing "$BIN_DIR" "${BINARIES[@]}"; }
 keda_missing() { missing "$KEDA_DIR" "${KEDA_FILES[@]}"; }
 prometheus_missing() { missing "$PROMETHEUS_DIR" prometheus promtool; }
 
-if ! cp_missing && ! keda_missing && ! prometheus_missing; then
+if ! cp_missing && { [[ $CONTROL_PLANE_ONLY == 1 ]] || { ! keda_missing && ! prometheus_missing; }; }; then
   echo "$BIN_DIR"
   exit 0
 fi
@@ -197,6 +200,8 @@ build_prometheus() {
 # KEDA after the control plane, in this one job: both are CPU-bound compiles, so side by side on
 # 2 cores they would only take turns, while scripts/test.sh runs the venv download beside this job.
 if cp_missing; then build_control_plane; fi
-if keda_missing; then build_keda; fi
-if prometheus_missing; then build_prometheus; fi
+if [[ $CONTROL_PLANE_ONLY == 0 ]]; then
+  if keda_missing; then build_keda; fi
+  if prometheus_missing; then build_prometheus; fi
+fi
 echo "$BIN_DIR"

@@ -316,7 +316,7 @@ def apply_examples(cp: ControlPlane) -> list[str]:
     return [d["metadata"]["name"] for d in models]
 
 
-def act_objects(cp: ControlPlane) -> list[str]:
+def act_objects(cp: ControlPlane, objects_only: bool) -> list[str]:
     with step("Applying examples/ (with the Secrets and volumes they refer to)"):
         names = apply_examples(cp)
 
@@ -342,7 +342,11 @@ def act_objects(cp: ControlPlane) -> list[str]:
     say("The vLLM command line each model's pods run (status.engineArgs):")
     for fm in get_json(cp, "flashmodels")["items"]:
         say(f"  {fm['metadata']['name']}: {' '.join((fm.get('status') or {}).get('engineArgs') or [])}")
-    say("These pods sit on kwok nodes, which start no engine: the next acts run real ones.")
+    if objects_only:
+        say("These pods sit on kwok nodes, which start no engine; without --objects-only the demo goes on to "
+            "pods that run real vLLM engines.")
+    else:
+        say("These pods sit on kwok nodes, which start no engine: the next acts run real ones.")
     return names
 
 
@@ -434,7 +438,7 @@ def act_serving(cp: ControlPlane, reads: Reads, namespace: str, kubelet: EngineK
     endpoint = f"http://{reads.ready_endpoints(namespace, MODEL)[0]}:8000"
     say(f"A chat completion from a ready endpoint of Service {namespace}/{MODEL} (the key is in Secret "
         f"{API_KEY_SECRET}; random weights, so the words are noise):")
-    say(f"$ curl {endpoint}/v1/chat/completions -H 'Authorization: Bearer $KEY' "
+    say(f"$ curl {endpoint}/v1/chat/completions -H \"Authorization: Bearer $KEY\" "
         f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hello.\"}}], "
         "\"max_tokens\": 16}'")
     t0 = time.monotonic()
@@ -520,6 +524,14 @@ def act_remediation(cp: ControlPlane, reads: Reads, namespace: str, kubelet: Eng
 # -- the whole run -------------------------------------------------------------------------------
 
 
+def say_next_steps(objects_only: bool) -> None:
+    say("Next:")
+    say("  bash scripts/demo.sh --keep        # the same, then stays up: kubectl and curl against it")
+    if objects_only:
+        say("  bash scripts/demo.sh               # with real vLLM engines: prewarm, a chat completion, self-healing")
+    say("  README.md, 'Install on a real cluster'   # images, the chart, alerts")
+
+
 def wait_for_ctrl_c(cp: ControlPlane, namespace: str) -> None:
     say()
     say("Up until Ctrl-C. In another shell:")
@@ -571,7 +583,7 @@ def run(objects_only: bool, keep: bool, engine_python: str) -> int:
             with step("Starting the operator"):
                 stack.enter_context(running_operator(cp.kubeconfig, log, extra_env=OPERATOR_ENV))
                 say(f"    log: {log}")
-            names = act_objects(cp)
+            names = act_objects(cp, objects_only)
             namespace = ""
             if not objects_only:
                 with step("Removing the examples (their pods have no engine) before real engines start"):
@@ -593,6 +605,8 @@ def run(objects_only: bool, keep: bool, engine_python: str) -> int:
             ok = True
             if keep:
                 wait_for_ctrl_c(cp, namespace)
+            else:
+                say_next_steps(objects_only)
             say("demo: stopping")
     except (DemoError, ControlPlaneError, subprocess.CalledProcessError) as exc:
         # A kubectl that failed says so in its stderr, which CommandError's message carries.
