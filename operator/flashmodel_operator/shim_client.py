@@ -41,8 +41,8 @@ class ShimReading:
     requests_waiting: float
     prewarm_succeeded: bool
     state: str | None = None
-    """The health poll's `state` (what a held poll waits to change from); None from /metrics or an engine
-    from before held polls, which the operator then polls every monitor_seconds."""
+    """The health poll's `state` (what a held poll waits to change from); None from /metrics, or from a
+    health poll answer without one, which the operator follows with a poll every monitor_seconds."""
 
 
 _READ_SERIES = (
@@ -169,9 +169,6 @@ class ShimConnection:
         self._request_head = f"Host: {host}:{port}\r\nAccept: */*\r\nUser-Agent: flashmodel-operator\r\n\r\n"
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self.health_poll = True
-        """Whether to ask HEALTH_POLL_PATH; False once this shim answered it 404 (an engine from before
-        it), until the stream closes: the process behind the next one may be a newer engine."""
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         """(status, body) of GET path; raises OSError, TimeoutError or ShimHttpError when there is none."""
@@ -242,7 +239,6 @@ class ShimConnection:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
-        self.health_poll = True
 
 
 class ShimClient:
@@ -263,8 +259,6 @@ class ShimClient:
         """The model's control token: the shim runs a prewarm only for the operator."""
         self.connection = connection
         """The pod's kept-alive connection for its polls; without one they go through the session."""
-        self._health_poll = True
-        """Where there is no connection to remember it: whether to ask HEALTH_POLL_PATH."""
 
     async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
         """(status, body), or (0, b"") when the shim could not be reached or answered garbage."""
@@ -317,27 +311,19 @@ class ShimClient:
 
         One small request to HEALTH_POLL_PATH; with `wait` and `unless` (the state of the reading the
         caller holds), held by the shim until its answer's state differs or `wait` seconds passed
-        (`timeout` is counted after the wait). An engine from before it answers 404: then /metrics
-        and /readyz, as that engine's operator asked them. A shim that cannot be reached or answers
-        anything else is a failed poll (no reading, not ready), as a failed /metrics and /readyz were.
+        (`timeout` is counted after the wait). A shim that cannot be reached or answers anything but
+        200 with a well-formed body is a failed poll (no reading, not ready).
         """
-        asks = self.connection.health_poll if self.connection is not None else self._health_poll
-        if asks:
-            path = HEALTH_POLL_PATH
-            if wait > 0 and unless:
-                path += "?" + urlencode({"wait": f"{wait:.1f}", "unless": unless})
-            status, body = await self._get(path, timeout + (wait if path != HEALTH_POLL_PATH else 0.0))
-            if status == 200:
-                try:
-                    return parse_health_poll(body)
-                except ValueError:
-                    return None, False
-            if status != 404:
-                return None, False
-            if self.connection is not None:
-                self.connection.health_poll = False
-            self._health_poll = False
-        return await self.metrics(), await self.ready(timeout)
+        path = HEALTH_POLL_PATH
+        if wait > 0 and unless:
+            path += "?" + urlencode({"wait": f"{wait:.1f}", "unless": unless})
+        status, body = await self._get(path, timeout + (wait if path != HEALTH_POLL_PATH else 0.0))
+        if status != 200:
+            return None, False
+        try:
+            return parse_health_poll(body)
+        except ValueError:
+            return None, False
 
     async def metrics(self) -> ShimReading | None:
         status, body = await self._get(METRICS_PATH, 5)
