@@ -108,7 +108,7 @@ class Fleet:
     def _run(self, kind: str, list_fn: Any, *args: str) -> None:
         from kubernetes import watch
 
-        class RawWatch(watch.Watch):  # type: ignore[misc]  # kubernetes.watch has no annotations
+        class RawWatch(watch.Watch):  # type: ignore[misc,unused-ignore]  # kubernetes.watch may lack annotations
             """Events as parsed JSON: the client's model classes cost about 1-3 ms of CPU an event (a
             pod's body), some 10 s of the two cores the operator and control plane share in a burst
             of 300, for the four fields read here."""
@@ -118,7 +118,7 @@ class Fleet:
 
         while not self.stop.is_set():
             try:
-                stream: Any = RawWatch()
+                stream: Any = RawWatch()  # type: ignore[no-untyped-call,unused-ignore]
                 selector = {} if kind == "flashmodels" else {"label_selector": MANAGED}
                 for event in stream.stream(list_fn, *args, timeout_seconds=3600, **selector):
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
