@@ -24,10 +24,11 @@ BUDGET_MARGIN = 8
 # warm-up never runs a batch of several sequences, and in --enforce-eager mode each new kernel
 # variant is compiled when first met, stalling every stream in flight for most of a second at the
 # first concurrent load, and, after a prewarm batch of only 4, once more at the first load of
-# ~20 sequences (docs/benchmarks/slo.md). Triton compiles a variant per integer
-# specialisation (an argument equal to 1, divisible by 16, or neither) and vLLM switches decode
-# kernels above a batch size, so the batch's answers have staggered lengths: the number of live
-# sequences steps down from the batch size through many counts, large and small.
+# ~20 sequences (docs/benchmarks/slo.md, "Prewarm's batch and the first-use compiles"). Triton
+# compiles a variant per integer specialisation (an argument equal to 1, divisible by 16, or
+# neither) and vLLM switches decode kernels above a batch size, so the batch's answers have
+# staggered lengths: the number of live sequences steps down from the batch size through many
+# counts, large and small.
 MAX_BATCH_REQUESTS = 96
 
 
