@@ -65,7 +65,8 @@ def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     The shim's page carries all of vLLM's series first (a histogram per latency and token count,
     about 33 kB for one model). The Prometheus parser takes about 5 ms of CPU for all of it, and a
     fleet's pods are scraped every few seconds; finding the few lines by name (str.find, in C) and
-    reading only those takes a few hundredths of that. Label values are compared, never unescaped.
+    reading only those takes a few hundredths of that (docs/benchmarks/operator.md, "What the operator
+    does for scale"). Label values are compared, never unescaped.
     """
     page = "\n" + text
     out = []
@@ -155,12 +156,14 @@ MAX_POLL_BODY = 4 << 20
 class ShimConnection:
     """One kept-alive HTTP/1.1 connection to one pod's shim, for the operator's polls (small GETs).
 
-    The polls are most of the operator's idle CPU: a fleet's pods are each asked for /metrics and
-    /readyz every few seconds. aiohttp's client spends about 0.15 ms of CPU on each request (its
-    request and response objects, headers, tracing hooks, timers); a GET written and read on a kept-
-    alive stream spends about 0.04 ms. The shim is our own aiohttp server, and a poll only needs the
-    status and the body, so this reads exactly that: Content-Length or chunked bodies, keep-alive
-    unless the server says close. Prewarm (a POST, once per pod) stays on aiohttp.
+    The polls are most of the operator's idle CPU: each pod of a fleet is polled every few seconds
+    while anything about it is in question, and at least every half minute while it is steady.
+    aiohttp's client spends about 0.15 ms of CPU on each request (its request and response objects,
+    headers, tracing hooks, timers); a GET written and read on a kept-alive stream spends about
+    0.04 ms (docs/benchmarks/operator.md, "What the operator does for scale"). The shim is our own
+    aiohttp server, and a poll only needs the status and the body, so this reads exactly that:
+    Content-Length or chunked bodies, keep-alive unless the server says close. Prewarm (a POST,
+    once per pod) stays on aiohttp.
     """
 
     def __init__(self, host: str, port: int) -> None:
