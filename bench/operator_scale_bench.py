@@ -2,14 +2,12 @@
 
     python bench/operator_scale_bench.py [--levels 100,250,500,1000] [--burst 300] [--json out.json]
     python bench/operator_scale_bench.py --quick        # 50 and 100 models, a burst of 50: a few minutes
-    python bench/operator_scale_bench.py --quick --older-engine   # pods that answer /health/poll 404
 
 Starts its own control plane (e2e/harness/cluster.py, kwok nodes with T4 GPUs), a stand-in shim for every
 pod (bench/operator_standin_shim.py: one process answering on each pod IP, which kwok takes from
 127.16.0.0/16, so the operator really polls each pod over HTTP), and the operator as a process with its
 production settings (nothing overridden but the metrics port). The stand-in answers the operator's
-one-request health poll; with --older-engine it answers that path 404, as an engine from before it, and
-the operator polls /metrics and /readyz instead. Then, for each level of the fleet:
+one-request health poll. Then, for each level of the fleet:
 
 1. grow the fleet to the level (models created 8 at a time), wait until every pod is Running and
    prewarmed (its readiness gate opened by the operator) and every model has a status;
@@ -110,7 +108,7 @@ class Fleet:
     def _run(self, kind: str, list_fn: Any, *args: str) -> None:
         from kubernetes import watch
 
-        class RawWatch(watch.Watch):  # type: ignore[misc]  # kubernetes.watch has no annotations
+        class RawWatch(watch.Watch):  # type: ignore[misc,unused-ignore]  # kubernetes.watch may lack annotations
             """Events as parsed JSON: the client's model classes cost about 1-3 ms of CPU an event (a
             pod's body), some 10 s of the two cores the operator and control plane share in a burst
             of 300, for the four fields read here."""
@@ -120,7 +118,7 @@ class Fleet:
 
         while not self.stop.is_set():
             try:
-                stream: Any = RawWatch()
+                stream: Any = RawWatch()  # type: ignore[no-untyped-call,unused-ignore]
                 selector = {} if kind == "flashmodels" else {"label_selector": MANAGED}
                 for event in stream.stream(list_fn, *args, timeout_seconds=3600, **selector):
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
@@ -248,9 +246,6 @@ def main() -> int:
     parser.add_argument("--idle-window", type=float, default=60.0)
     parser.add_argument("--detect", action="store_true", help="measure hung and diverging pod detection at the end")
     parser.add_argument("--quick", action="store_true", help="levels 50,100, burst 50, 10 paced, 30 s windows")
-    parser.add_argument(
-        "--older-engine", action="store_true", help="the stand-in answers /health/poll 404: two requests a poll"
-    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--operator-log", type=Path)
     parser.add_argument("--py-spy", type=Path, help="py-spy binary: profile the last level's idle window")
@@ -265,8 +260,7 @@ def main() -> int:
     metrics_port, control_port = free_ports(2)
     e2e.harness.cluster.SERVICE_CIDR = "10.0.0.0/16"  # a ClusterIP Service per model; a /24 holds 253
     standin = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "operator_standin_shim.py"), "--control-port", str(control_port)]
-        + (["--no-health-poll"] if args.older_engine else []),
+        [sys.executable, str(ROOT / "bench" / "operator_standin_shim.py"), "--control-port", str(control_port)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -1,16 +1,15 @@
 """A stand-in for every engine pod's health shim at once, for the operator's fleet benchmark.
 
-    python bench/operator_standin_shim.py --control-port 18099 [--no-health-poll | --no-held-polls]
+    python bench/operator_standin_shim.py --control-port 18099 [--no-held-polls]
 
 One process answers the shim's endpoints (SHIM_PORT) on every address of 127.0.0.0/8, which is where
 the test control plane's kwok puts pod IPs, so the operator polls "pod 127.16.3.7" over real HTTP and
 this process knows which pod it is from the address the connection arrived on. Its /metrics page is
 the size of a real one: the flashmodel_* series the engine exports after vLLM's own (histograms per
 model), so the operator pays the parse cost it pays in production when it reads that page. It also
-answers /health/poll (the operator's one-request poll) from the same state; with --no-health-poll it
-answers that path 404, as an engine from before it does, and the operator polls /metrics and /readyz.
-A steady pod's poll is held until its pod's fault changes (`?wait=&unless=`), answered at the engine's
-next recheck; with --no-held-polls it answers at once without a `state`, as an engine from before that.
+answers /health/poll (the operator's one-request poll) from the same state. A steady pod's poll is
+held until its pod's fault changes (`?wait=&unless=`), answered at the engine's next recheck; with
+--no-held-polls it answers at once without a `state`, and the operator polls every monitorSeconds.
 
 A control port (loopback only) injects faults per pod IP and reports counts:
     POST /fault?ip=127.16.0.9&kind=hung        /readyz answers 503 (/health/poll "ready": false) while /livez
@@ -157,7 +156,7 @@ def pod_ip(request: web.Request) -> str:
     return str(sock[0]) if sock else "?"
 
 
-def shim_app(fleet: Fleet, health_poll: bool = True, held_polls: bool = True) -> web.Application:
+def shim_app(fleet: Fleet, held_polls: bool = True) -> web.Application:
     def ok(body: dict[str, object], status: int = 200) -> web.Response:
         return web.json_response(body, status=status)
 
@@ -218,10 +217,9 @@ def shim_app(fleet: Fleet, health_poll: bool = True, held_polls: bool = True) ->
             web.get(READINESS_PATH, readyz),
             web.post(PREWARM_PATH, prewarm),
             web.get(METRICS_PATH, metrics),
+            web.get(HEALTH_POLL_PATH, poll),
         ]
     )
-    if health_poll:
-        app.router.add_get(HEALTH_POLL_PATH, poll)
     return app
 
 
@@ -239,10 +237,10 @@ def control_app(fleet: Fleet) -> web.Application:
     return app
 
 
-async def serve(control_port: int, health_poll: bool, held_polls: bool) -> None:
+async def serve(control_port: int, held_polls: bool) -> None:
     fleet = Fleet()
     runners = []
-    shim = shim_app(fleet, health_poll, held_polls)
+    shim = shim_app(fleet, held_polls)
     sites = ((shim, "0.0.0.0", SHIM_PORT), (control_app(fleet), "127.0.0.1", control_port))
     for app, host, port in sites:
         runner = web.AppRunner(app, access_log=None)
@@ -255,8 +253,7 @@ async def serve(control_port: int, health_poll: bool, held_polls: bool) -> None:
                 "shim_port": SHIM_PORT,
                 "control_port": control_port,
                 "metrics_bytes": len(fleet.vllm + fleet.ours("127.0.0.1")),
-                "health_poll": health_poll,
-                "held_polls": health_poll and held_polls,
+                "held_polls": held_polls,
             }
         ),
         flush=True,
@@ -268,15 +265,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--control-port", type=int, required=True)
     parser.add_argument(
-        "--no-health-poll", action="store_true", help="answer /health/poll 404, as an engine from before it"
-    )
-    parser.add_argument(
         "--no-held-polls",
         action="store_true",
-        help="answer /health/poll at once and without a state, as an engine from before held polls",
+        help="answer /health/poll at once and without a state: the operator polls every monitorSeconds",
     )
     args = parser.parse_args()
-    asyncio.run(serve(args.control_port, health_poll=not args.no_health_poll, held_polls=not args.no_held_polls))
+    asyncio.run(serve(args.control_port, held_polls=not args.no_held_polls))
 
 
 if __name__ == "__main__":

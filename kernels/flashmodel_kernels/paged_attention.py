@@ -375,6 +375,72 @@ class SplitWorkspace:
         )
 
 
+def _checked_out(query: torch.Tensor, key_cache: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` (allocated like ``query`` when None) once the shapes, dtypes and strides are ones the kernel reads."""
+    num_q_heads, head_dim = query.shape[1:]
+    _, page_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if page_size != PAGE_SIZE:
+        raise ValueError(f"KV cache block size is {page_size}; tile attention reads {PAGE_SIZE}-token blocks")
+    if cache_head_dim != head_dim or head_dim % 16 != 0:
+        raise ValueError(f"head_dim {head_dim} (cache {cache_head_dim}) must match and be a multiple of 16")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
+    if query.dtype not in (torch.float16, torch.bfloat16) or key_cache.dtype != query.dtype:
+        raise ValueError(f"query {query.dtype} and cache {key_cache.dtype} must both be float16 or bfloat16")
+    if out is None:
+        out = torch.empty_like(query)
+    if query.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("query and out must be contiguous in their last (head_dim) dimension")
+    return out
+
+
+def _split_scratch(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    config: LaunchConfig,
+    workspace: SplitWorkspace | None,
+    grid: tuple[int, int, int],
+    head_dim_pad: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(part_out, part_lse, the fused merge's counters or None) of one launch: the workspace's where they fit."""
+    num_tokens, num_q_heads = query.shape[:2]
+    splits = config.num_splits
+    if splits == 1:
+        return out, out, None  # never touched: without SPLIT_KV that branch is compiled out
+    views = workspace.views(num_tokens, num_q_heads, splits, head_dim_pad) if workspace else None
+    if views is not None:
+        part_out, part_lse = views
+    else:
+        part_out = torch.empty(
+            (num_tokens, num_q_heads, splits, head_dim_pad), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
+    if not config.fuse_merge:
+        return part_out, part_lse, None
+    needed = grid[0] * grid[1]
+    if workspace is not None and workspace.arrivals.numel() >= needed:
+        return part_out, part_lse, workspace.arrivals
+    return part_out, part_lse, _arrival_counters(query.device, needed)
+
+
+def _device_plan(
+    query: torch.Tensor, num_kv_heads: int, num_seqs: int, max_query_len: int, max_seq_len: int
+) -> LaunchConfig:
+    """``plan_launch``'s tiling for this call on the query's device."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    return plan_launch(
+        num_seqs=num_seqs,
+        num_tokens=num_tokens,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        num_kv_heads=num_kv_heads,
+        queries_per_kv=num_q_heads // num_kv_heads,
+        head_dim=head_dim,
+        multiprocessors=multiprocessor_count(query.device),
+        wide_tiles=wide_tiles_fit(query.device),
+    )
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, 16, num_kv_heads, head_dim]
@@ -399,58 +465,21 @@ def paged_attention(
     launch captured in a CUDA graph stays right for any lengths a replay brings (``graph.py``).
     Returns ``out`` (allocated like ``query`` when not given).
     """
+    out = _checked_out(query, key_cache, out)
     num_tokens, num_q_heads, head_dim = query.shape
-    _, page_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if page_size != PAGE_SIZE:
-        raise ValueError(f"KV cache block size is {page_size}; tile attention reads {PAGE_SIZE}-token blocks")
-    if cache_head_dim != head_dim or head_dim % 16 != 0:
-        raise ValueError(f"head_dim {head_dim} (cache {cache_head_dim}) must match and be a multiple of 16")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
-    if query.dtype not in (torch.float16, torch.bfloat16) or key_cache.dtype != query.dtype:
-        raise ValueError(f"query {query.dtype} and cache {key_cache.dtype} must both be float16 or bfloat16")
-    if out is None:
-        out = torch.empty_like(query)
-    if query.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("query and out must be contiguous in their last (head_dim) dimension")
+    num_kv_heads = key_cache.shape[2]
     if num_tokens == 0:
         return out
     num_seqs = seq_lens.shape[0]
     queries_per_kv = num_q_heads // num_kv_heads
     if config is None:
-        config = plan_launch(
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            num_kv_heads=num_kv_heads,
-            queries_per_kv=queries_per_kv,
-            head_dim=head_dim,
-            multiprocessors=multiprocessor_count(query.device),
-            wide_tiles=wide_tiles_fit(query.device),
-        )
+        config = _device_plan(query, num_kv_heads, num_seqs, max_query_len, max_seq_len)
     head_dim_pad = triton.next_power_of_2(head_dim)
     splits = config.num_splits
-    views = workspace.views(num_tokens, num_q_heads, splits, head_dim_pad) if workspace and splits > 1 else None
-    if views is not None:
-        part_out, part_lse = views
-    elif splits > 1:
-        part_out = torch.empty(
-            (num_tokens, num_q_heads, splits, head_dim_pad), dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
-    else:
-        part_out = part_lse = out  # never touched: without SPLIT_KV that branch is compiled out
     # A pure decode batch (one new token per sequence) may take the kernel's search-free path.
     decode = config.decode_path and max_query_len <= 1 and num_tokens == num_seqs
     grid = (num_seqs if decode else num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
-    arrivals = None
-    if splits > 1 and config.fuse_merge:
-        needed = grid[0] * num_kv_heads
-        if workspace is not None and workspace.arrivals.numel() >= needed:
-            arrivals = workspace.arrivals
-        else:
-            arrivals = _arrival_counters(query.device, needed)
+    part_out, part_lse, arrivals = _split_scratch(query, out, config, workspace, grid, head_dim_pad)
     _paged_attention_kernel[grid](
         out,
         part_out,

@@ -23,13 +23,13 @@ __all__ = [
 PAGE_SIZE = 16
 """Tokens per KV-cache block: the T4 profile fixes vLLM's ``--block-size 16``."""
 
-# The decode split rule was fitted on an H200 sweep of 56 decode shapes
-# (bench/kernels/results/h200-2026-12-02-run2, fit_splits.txt.gz): it is slower than vLLM's Triton
-# kernel on none of them (worst triton/tile 1.08, geomean 1.37). 256 keys per split without tile
-# fitting was slower on 10 (worst 0.59, at batch 1-16 with context 512-1024, where too few
-# programs left the GPU idle).
+# The constants below are the answers of the kernel benchmark's design questions; each one's
+# figures are in docs/benchmarks/kernels.md, "The launch plan's constants".
 MIN_TOKENS_PER_SPLIT = 32
-"""A split holds at least this many keys (two 16-token pages): shorter, its merge costs more than it saves."""
+"""A split holds at least this many keys (two 16-token pages): shorter, its merge costs more than it saves.
+
+With this floor and tile fitting the decode split rule is slower than vLLM's Triton kernel on
+none of the benchmark's decode shapes; 256 keys per split left too few programs at small batches."""
 
 SPLIT_GRANULE = MIN_TOKENS_PER_SPLIT
 """The kernel shares a sequence's keys out over the splits in runs of this many (two pages): the
@@ -39,12 +39,9 @@ only knows ``max_model_len``."""
 SHORT_BLOCK_N = 32
 """Keys per loop step of a split of at most twice this many keys, whatever the plan's BLOCK_N.
 
-On an H100 (bench/kernels/results/h100-2026-12-06b-cudagraph), the graph plan's 128-key tiles on
-splits of 16-32 keys (a few hundred tokens under a plan made for 4,096) took 6.6-7.8 us at batch 1
-where the eager plan's 32-key tiles took 4.6-6.6 us on the same splits and merge. With short tiles
-(h100-2026-12-06c-cudagraph) the graph plan took 5.3 us at batch 1 / 256 tokens (vLLM's Triton
-kernel 5.6) and was slower than vLLM's Triton kernel on none of 84 decode shapes.
-"""
+A captured graph's plan is made for ``max_model_len``; on a short sequence its splits hold 16-32
+keys, and 128-key tiles over them load mostly masked keys. Short tiles make the graph plan as
+fast as the eager plan on those splits."""
 
 PROGRAMS_PER_SM = 2.0
 """Decode splits the key range until there are about this many programs per multiprocessor."""
@@ -54,29 +51,20 @@ MAX_SPLITS = 32
 MAX_FUSED_SPLITS = 10
 """Split launches of 2..10 parts merge inside the attention kernel: the largest count timed fused.
 
-On an H200 (bench/kernels/results/h200-2026-12-03-run5a, -run5b), on the 15 split shapes of
-batch >= 32 / context >= 1024, the fused merge was faster than the merge kernel on 14 of 15 (by
-up to 5.0 us of 49; 0.1-0.2 us slower on the 15th), timed at 2-5 splits and at twice that (4-10).
+The fused merge was faster than the merge kernel on the large split shapes timed at 2-10 splits.
 The merging program reads its splits one after another, so larger counts go to the merge kernel.
 """
 
 MAX_FUSED_SPLITS_NARROW = 5
-"""With 64-key (or shorter) tiles, only launches of 2..5 splits fuse the merge.
-
-On an H200 (bench/kernels/results/h200-2026-12-03-run6), at 9 splits of 64-key tiles (1.5B batch
-16, contexts 512-4096) the merge kernel was 1.3-1.7 us faster than the fused merge on all four
-shapes; at 2-5 splits the fused merge was as fast or faster.
-"""
+"""With 64-key (or shorter) tiles, only launches of 2..5 splits fuse the merge: at 9 splits the
+merge kernel was faster on every shape timed."""
 
 WIDE_BLOCK_N = 128
 """Keys per loop step of a decode split on a GPU with the shared memory for it (``wide_tiles``).
 
-On an H200, side by side on the same inputs (bench/kernels/results/h200-2026-12-03-run6): at 3-32
-splits with >= 128 keys per split, 128-key tiles were faster than 64-key tiles on all 20 such
-shapes (by 0.2-7.8 us, up to 15.5 %: 7B batch 16 / 4096 42.4 vs 50.2 us); at 2 splits slower on
-all 8 (up to 18.9 %: 160.7 vs 135.1 us) and unsplit slower on all 12; so only launches of at
-least ``WIDE_TILE_MIN_SPLITS`` take them. Twice the keys per step halves a short split's
-dependent page-then-K/V round trips.
+Twice the keys per step halves a short split's dependent page-then-K/V round trips: faster than
+64-key tiles at 3 or more splits of >= 128 keys, slower at 2 splits and unsplit, so only launches
+of at least ``WIDE_TILE_MIN_SPLITS`` take them.
 """
 WIDE_TILE_MIN_SPLITS = 3
 WIDE_TILE_SHARED_BYTES = 160 * 1024
@@ -84,12 +72,8 @@ WIDE_TILE_SHARED_BYTES = 160 * 1024
 sm_80/sm_90 allow 163/227 KB per block; sm_86/89 (99 KB) and the T4 (64 KB) do not."""
 
 DECODE_PATH_MAX_PROGRAMS_PER_SM = 4.0
-"""An unsplit decode launch takes the search-free path up to this many programs per SM.
-
-On an H200 (bench/kernels/results/h200-2026-12-03-run6): at 512 programs (3.9 per SM: 1.5B batch
-256, 7B batch 128) the decode path was faster on all 8 shapes (0.4-3.7 us; 7B batch 128 / 512:
-40.0 vs 43.7 us), at 1024 (7B batch 256) slower on all 4 (1.5-36.8 us).
-"""
+"""An unsplit decode launch takes the search-free path up to this many programs per SM: faster at
+about 4 programs per SM, slower at 8."""
 
 FIT_BLOCK_N_TO_SPLIT = True
 """Decode key tiles no longer than one split: a 32-key split read with 64-key tiles loads half masked keys."""

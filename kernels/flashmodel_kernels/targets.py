@@ -1,7 +1,7 @@
 """Compile the tile-attention kernels for a GPU that is not there (the T4, sm_75) and report limits.
 
 Triton compiles to PTX and cubin without a device, so this runs on a CPU-only machine as well as
-on the H200: it proves the fp16 path fits a T4 (shared memory per block, no bf16 or tf32
+on any GPU host: it proves the fp16 path fits a T4 (shared memory per block, no bf16 or tf32
 instructions) before a T4 ever sees it.
 """
 

@@ -272,21 +272,7 @@ class TileAttentionImpl(TritonAttentionImpl):
         # (many launches) and verifying (a host read) wait for an eager call.
         capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._precompile and not _Tally.precompiled and not capturing:
-            _Tally.precompiled = True
-            started = time.monotonic()
-            before = compiled_variants()
-            precompiled = precompile(
-                query, key_cache, value_cache, attn_metadata.block_table, scale=self.scale, **self._limits
-            )
-            after = compiled_variants()
-            _Tally.variants = after  # so the per-call log below reports only compiles while serving
-            logger.info(
-                "flashmodel tile attention precompiled: variants=%d compiled=%s seconds=%.1f limits=%s",
-                len(precompiled),
-                None if before is None or after is None else after - before,
-                time.monotonic() - started,
-                self._limits,
-            )
+            self._precompile_variants(query, key_cache, value_cache, attn_metadata.block_table)
         tile = attn_metadata if isinstance(attn_metadata, TileAttentionMetadata) else None
         paged_attention(
             query[:n],
@@ -302,6 +288,31 @@ class TileAttentionImpl(TritonAttentionImpl):
             config=tile.tile_plan if tile else None,
             workspace=tile.tile_workspace if tile else None,
         )
+        self._count_call(query, attn_metadata, n)
+        if self._verify and not capturing:
+            self._compare_with_triton_attn(layer, query, key, value, kv_cache, attn_metadata, output, n)
+        return output
+
+    def _precompile_variants(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor
+    ) -> None:
+        """Compile every kernel variant the engine's limits can need, once per process, and log it."""
+        _Tally.precompiled = True
+        started = time.monotonic()
+        before = compiled_variants()
+        precompiled = precompile(query, key_cache, value_cache, block_table, scale=self.scale, **self._limits)
+        after = compiled_variants()
+        _Tally.variants = after  # so the per-call log reports only compiles while serving
+        logger.info(
+            "flashmodel tile attention precompiled: variants=%d compiled=%s seconds=%.1f limits=%s",
+            len(precompiled),
+            None if before is None or after is None else after - before,
+            time.monotonic() - started,
+            self._limits,
+        )
+
+    def _count_call(self, query: torch.Tensor, attn_metadata: TritonAttentionMetadata, n: int) -> None:
+        """Count a forward call; log the first and any call that compiled a new kernel variant."""
         if _Tally.calls == 0:
             logger.info(
                 "flashmodel tile attention forward: heads=%d kv_heads=%d head_size=%d dtype=%s verify=%s",
@@ -326,9 +337,6 @@ class TileAttentionImpl(TritonAttentionImpl):
                 attn_metadata.max_seq_len,
             )
             _Tally.variants = variants
-        if self._verify and not capturing:
-            self._compare_with_triton_attn(layer, query, key, value, kv_cache, attn_metadata, output, n)
-        return output
 
     def _compare_with_triton_attn(
         self,

@@ -45,8 +45,9 @@ class HandledSpecs(LeanDiffBaseStorage):
 
     kopf's annotation storage writes the handled essence into the object after every handled change:
     one more PATCH of each new model (and of each spec change), the dearest FlashModel request after
-    the status write (about 10 ms of API server CPU), and one more watch event for every watcher of
-    the model. What kopf needs from the diff base is whether the object changed since it was last
+    the status write (about 10 ms of API server CPU: docs/benchmarks/operator.md, "A budget only where
+    it protects, and no kopf write to the model"), and one more watch event for every watcher of the
+    model. What kopf needs from the diff base is whether the object changed since it was last
     handled: a digest of the essence answers that. After a restart nothing is known, so every model
     comes as "create" (the one handler takes create, update and resume alike and reads the latest
     object), which is what a resume pass does today. The digest is of the essence without extra

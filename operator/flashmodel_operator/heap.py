@@ -29,7 +29,8 @@ collection, which walks the whole heap of a large fleet, every few seconds: at 1
 full collections of about 0.6 s while the fleet was made and a burst of 300 came, 26-28 s of CPU
 in the collector in all. With these thresholds, 6-7 full collections and 9.4-11.7 s (three runs).
 With 50,000 the collector's CPU fell as far, but what died in cycles waited longer for a
-collection and RSS reached 495-563 MiB, against 376-380 (docs/benchmarks/operator.md).
+collection and RSS reached 495-563 MiB, against 376-380 (docs/benchmarks/operator.md, "The collector, and a
+first pass's creates at once").
 """
 
 

@@ -16,8 +16,9 @@ class OperatorSettings:
     """How often each engine pod's watch looks at it while anything about it is in question."""
     health_poll_wait_seconds: float = 30.0
     """How long the shim may hold a steady pod's health poll, answering at once when what the operator decides
-    on changes: 1,000 steady pods cost 33 polls a second instead of 200 (docs/benchmarks/operator.md), and a
-    fault is answered as the shim sees it instead of at the next poll. 0 polls every monitor_seconds."""
+    on changes: 1,000 steady pods cost 33 polls a second instead of 200 (docs/benchmarks/operator.md, "Held
+    health polls, side by side"), and a fault is answered as the shim sees it instead of at the next poll. 0
+    polls every monitor_seconds."""
     endpoint_propagation_seconds: float = 5.0
     """After a drained pod's address left the EndpointSlices, time for proxies and clients to stop using it."""
     remediation_backoff_seconds: float = 60.0
@@ -35,7 +36,7 @@ class OperatorSettings:
     """kopf's threads for the model passes its events start (a model's first pass among them). A pass waits on
     the API server for most of its time, so in a burst of new models the threads, not the cores, set how many
     first passes are under way at once: 32 finished a burst of 300 sooner than 16 in each of three pairs of
-    runs (docs/benchmarks/operator.md)."""
+    runs (docs/benchmarks/operator.md, "Where a burst's time goes")."""
     metrics_port: int = 8090
     """The operator's own /metrics; 0 turns it off."""
     heap_trim_seconds: float = 30.0

@@ -41,8 +41,8 @@ class ShimReading:
     requests_waiting: float
     prewarm_succeeded: bool
     state: str | None = None
-    """The health poll's `state` (what a held poll waits to change from); None from /metrics or an engine
-    from before held polls, which the operator then polls every monitor_seconds."""
+    """The health poll's `state` (what a held poll waits to change from); None from /metrics, or from a
+    health poll answer without one, which the operator follows with a poll every monitor_seconds."""
 
 
 _READ_SERIES = (
@@ -65,7 +65,8 @@ def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     The shim's page carries all of vLLM's series first (a histogram per latency and token count,
     about 33 kB for one model). The Prometheus parser takes about 5 ms of CPU for all of it, and a
     fleet's pods are scraped every few seconds; finding the few lines by name (str.find, in C) and
-    reading only those takes a few hundredths of that. Label values are compared, never unescaped.
+    reading only those takes a few hundredths of that (docs/benchmarks/operator.md, "What the operator
+    does for scale"). Label values are compared, never unescaped.
     """
     page = "\n" + text
     out = []
@@ -155,12 +156,14 @@ MAX_POLL_BODY = 4 << 20
 class ShimConnection:
     """One kept-alive HTTP/1.1 connection to one pod's shim, for the operator's polls (small GETs).
 
-    The polls are most of the operator's idle CPU: a fleet's pods are each asked for /metrics and
-    /readyz every few seconds. aiohttp's client spends about 0.15 ms of CPU on each request (its
-    request and response objects, headers, tracing hooks, timers); a GET written and read on a kept-
-    alive stream spends about 0.04 ms. The shim is our own aiohttp server, and a poll only needs the
-    status and the body, so this reads exactly that: Content-Length or chunked bodies, keep-alive
-    unless the server says close. Prewarm (a POST, once per pod) stays on aiohttp.
+    The polls are most of the operator's idle CPU: each pod of a fleet is polled every few seconds
+    while anything about it is in question, and at least every half minute while it is steady.
+    aiohttp's client spends about 0.15 ms of CPU on each request (its request and response objects,
+    headers, tracing hooks, timers); a GET written and read on a kept-alive stream spends about
+    0.04 ms (docs/benchmarks/operator.md, "What the operator does for scale"). The shim is our own
+    aiohttp server, and a poll only needs the status and the body, so this reads exactly that:
+    Content-Length or chunked bodies, keep-alive unless the server says close. Prewarm (a POST,
+    once per pod) stays on aiohttp.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -169,9 +172,6 @@ class ShimConnection:
         self._request_head = f"Host: {host}:{port}\r\nAccept: */*\r\nUser-Agent: flashmodel-operator\r\n\r\n"
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self.health_poll = True
-        """Whether to ask HEALTH_POLL_PATH; False once this shim answered it 404 (an engine from before
-        it), until the stream closes: the process behind the next one may be a newer engine."""
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         """(status, body) of GET path; raises OSError, TimeoutError or ShimHttpError when there is none."""
@@ -242,7 +242,6 @@ class ShimConnection:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
-        self.health_poll = True
 
 
 class ShimClient:
@@ -263,8 +262,6 @@ class ShimClient:
         """The model's control token: the shim runs a prewarm only for the operator."""
         self.connection = connection
         """The pod's kept-alive connection for its polls; without one they go through the session."""
-        self._health_poll = True
-        """Where there is no connection to remember it: whether to ask HEALTH_POLL_PATH."""
 
     async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
         """(status, body), or (0, b"") when the shim could not be reached or answered garbage."""
@@ -317,27 +314,19 @@ class ShimClient:
 
         One small request to HEALTH_POLL_PATH; with `wait` and `unless` (the state of the reading the
         caller holds), held by the shim until its answer's state differs or `wait` seconds passed
-        (`timeout` is counted after the wait). An engine from before it answers 404: then /metrics
-        and /readyz, as that engine's operator asked them. A shim that cannot be reached or answers
-        anything else is a failed poll (no reading, not ready), as a failed /metrics and /readyz were.
+        (`timeout` is counted after the wait). A shim that cannot be reached or answers anything but
+        200 with a well-formed body is a failed poll (no reading, not ready).
         """
-        asks = self.connection.health_poll if self.connection is not None else self._health_poll
-        if asks:
-            path = HEALTH_POLL_PATH
-            if wait > 0 and unless:
-                path += "?" + urlencode({"wait": f"{wait:.1f}", "unless": unless})
-            status, body = await self._get(path, timeout + (wait if path != HEALTH_POLL_PATH else 0.0))
-            if status == 200:
-                try:
-                    return parse_health_poll(body)
-                except ValueError:
-                    return None, False
-            if status != 404:
-                return None, False
-            if self.connection is not None:
-                self.connection.health_poll = False
-            self._health_poll = False
-        return await self.metrics(), await self.ready(timeout)
+        path = HEALTH_POLL_PATH
+        if wait > 0 and unless:
+            path += "?" + urlencode({"wait": f"{wait:.1f}", "unless": unless})
+        status, body = await self._get(path, timeout + (wait if path != HEALTH_POLL_PATH else 0.0))
+        if status != 200:
+            return None, False
+        try:
+            return parse_health_poll(body)
+        except ValueError:
+            return None, False
 
     async def metrics(self) -> ShimReading | None:
         status, body = await self._get(METRICS_PATH, 5)

@@ -277,16 +277,10 @@ async def test_status_pods_says_prewarmed_before_the_gate_opens(enabled: bool) -
 
 
 class ShimServer:
-    """A real HTTP server with a shim's endpoints, counting the requests each path gets.
+    """A real HTTP server with a shim's endpoints, counting the requests each path gets."""
 
-    `health_poll=False` stands in for an engine from before /health/poll: it answers that path 404.
-    """
-
-    def __init__(
-        self, ready: bool = True, health_poll: bool = True, held_polls: bool = False, holds: bool = True
-    ) -> None:
+    def __init__(self, ready: bool = True, held_polls: bool = False, holds: bool = True) -> None:
         self.ready = ready
-        self.health_poll = health_poll
         self.held_polls = held_polls
         self.holds = holds
         """False: answers a state but holds nothing, as a shim at its limit of held polls."""
@@ -303,8 +297,6 @@ class ShimServer:
             if request.path == "/metrics":
                 return web.Response(text=METRICS_PAGE, content_type="text/plain")
             if request.path == "/health/poll":
-                if not self.health_poll:
-                    return web.json_response({"ok": False}, status=404)
                 if not self.held_polls:
                     return web.json_response(dict(HEALTH_POLL_ANSWER, ready=self.ready))
                 self.queries.append(dict(request.query))
@@ -393,24 +385,13 @@ WATCHED_MODEL = {
 }
 
 
-@pytest.mark.parametrize(
-    ("health_poll", "requests"),
-    [
-        (True, {"/health/poll": 5}),
-        # An engine from before the health poll: asked once, then /metrics and /readyz each poll.
-        (False, {"/health/poll": 1, "/metrics": 5, "/readyz": 5}),
-    ],
-    ids=["one-request", "older-engine-two-requests"],
-)
-async def test_a_warm_pod_is_polled_without_api_reads_and_one_request_a_poll(
-    health_poll: bool, requests: dict[str, int]
-) -> None:
+async def test_a_warm_pod_is_polled_without_api_reads_and_one_request_a_poll() -> None:
     # A fleet of 1,000 warm pods polled every 5 s would be 400 API reads a second if each poll
     # read its pod and its model; the watch streams already carry both.
     cluster = NoReadsCluster()
     use(OperatorSettings(monitor_seconds=5.0))
     try:
-        async with ShimServer(health_poll=health_poll) as shim, aiohttp.ClientSession() as session:
+        async with ShimServer() as shim, aiohttp.ClientSession() as session:
             watch = PodWatch(
                 cluster,
                 session,
@@ -426,20 +407,19 @@ async def test_a_warm_pod_is_polled_without_api_reads_and_one_request_a_poll(
     finally:
         use(OperatorSettings())
     assert cluster.reads == 0
-    assert shim.requests == requests
+    assert shim.requests == {"/health/poll": 5}
     assert all(d is not None and 4.5 <= d <= 5.5 for d in delays), delays
     health = watch.state.health["qwen-abc"]
     assert health.livez_ok and health.readyz_failing_since is None and not health.divergence_recommended
     assert watch.generation_seen == 1.0
 
 
-@pytest.mark.parametrize("health_poll", [True, False], ids=["health-poll", "older-engine"])
-async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_threshold(health_poll: bool) -> None:
+async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_threshold() -> None:
     # Polls come every 5 s; a pod whose generation fails is looked at again the moment its failure
     # reaches hungReadinessSeconds, so its eviction does not wait up to one more period.
     use(OperatorSettings(monitor_seconds=5.0))
     try:
-        async with ShimServer(ready=False, health_poll=health_poll) as shim, aiohttp.ClientSession() as session:
+        async with ShimServer(ready=False) as shim, aiohttp.ClientSession() as session:
             watch = PodWatch(
                 NoReadsCluster(),
                 session,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
 from aiohttp import web
 from flashmodel_operator.shim_client import ShimClient, ShimConnection, ShimReading, parse_health_poll, parse_metrics
@@ -145,7 +144,7 @@ class Shim:
     ) -> None:
         self.keepalive_timeout = keepalive_timeout
         self.health_poll = health_poll
-        """The /health/poll answer's body; None answers 404, as an engine from before that path does."""
+        """The /health/poll answer's body; None answers 404."""
         self.health_poll_status = health_poll_status
         self.paths: list[str] = []
         self.peers: list[int] = []
@@ -242,40 +241,14 @@ async def test_a_poll_is_one_request_to_the_health_poll() -> None:
     assert shim.paths == ["/health/poll", "/health/poll"]
 
 
-async def test_an_older_engine_is_polled_on_metrics_and_readyz_after_one_404() -> None:
-    async with Shim(health_poll=None) as shim:
-        connection = ShimConnection("127.0.0.1", shim.port)
-        for _ in range(3):
-            # A new ShimClient per poll, one connection per pod, as the pod watch makes them.
-            client = ShimClient(None, "127.0.0.1", port=shim.port, connection=connection)  # type: ignore[arg-type]
-            reading, ready = await client.poll(5)
-            # This stand-in answers /readyz 503: not ready, and the reading is /metrics'.
-            assert reading == parse_metrics(TEXT) and not ready
-        connection.close()
-        assert shim.paths == ["/health/poll"] + ["/metrics", "/readyz"] * 3
-        # The next connection may reach a restarted, newer engine: it is asked again.
-        shim.paths.clear()
-        await ShimClient(None, "127.0.0.1", port=shim.port, connection=connection).poll(5)  # type: ignore[arg-type]
-        connection.close()
-    assert shim.paths == ["/health/poll", "/metrics", "/readyz"]
-
-
-async def test_an_older_engine_without_a_kept_alive_connection_falls_back_too() -> None:
-    async with Shim(health_poll=None) as shim, aiohttp.ClientSession() as session:
-        client = ShimClient(session, "127.0.0.1", port=shim.port)
-        assert await client.poll(5) == (parse_metrics(TEXT), False)
-        assert await client.poll(5) == (parse_metrics(TEXT), False)
-    assert shim.paths == ["/health/poll", "/metrics", "/readyz", "/metrics", "/readyz"]
-
-
 @pytest.mark.parametrize(
     ("body", "status"),
-    [("not json", 200), (json.dumps(POLL), 500), (json.dumps(POLL), 503)],
-    ids=["garbage", "server-error", "unavailable"],
+    [("not json", 200), (json.dumps(POLL), 404), (json.dumps(POLL), 500), (json.dumps(POLL), 503)],
+    ids=["garbage", "not-found", "server-error", "unavailable"],
 )
-async def test_a_health_poll_that_fails_is_a_failed_poll_not_a_fallback(body: str, status: int) -> None:
-    # Only 404 means "an older engine"; any other failure reads as no reading and not ready, as an
-    # unanswered /metrics and /readyz did, and the next poll asks the health poll again.
+async def test_a_health_poll_that_fails_is_a_failed_poll(body: str, status: int) -> None:
+    # Any failure reads as no reading and not ready, and the next poll asks the health poll again:
+    # no other path is asked.
     async with Shim(health_poll=body, health_poll_status=status) as shim:
         connection = ShimConnection("127.0.0.1", shim.port)
         client = ShimClient(None, "127.0.0.1", port=shim.port, connection=connection)  # type: ignore[arg-type]
