@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness.autoscaling import Keda, Prometheus
+from e2e.harness.autoscaling import DcgmStandIn, Keda, Prometheus
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.harness.load import Load
@@ -41,12 +41,20 @@ ENGINE_START_TIMEOUT = 420
 
 
 @pytest.fixture(scope="module")
+def dcgm() -> Iterator[DcgmStandIn]:
+    """dcgm-exporter's GPU series for the engine pods (there is no GPU here), for the dashboard's GPU panels."""
+    with DcgmStandIn() as stand_in:
+        yield stand_in
+
+
+@pytest.fixture(scope="module")
 def parts(
     control_plane: ControlPlane,
     operator: Path,
     prometheus_port: int,
     operator_metrics_port: int,
     tmp_path_factory: pytest.TempPathFactory,
+    dcgm: DcgmStandIn,
 ) -> Iterator[tuple[Prometheus, Keda]]:
     """Prometheus on the port the operator gives KEDA's triggers (it also scrapes the operator and
     evaluates the chart's alerting rules), and KEDA."""
@@ -56,7 +64,8 @@ def parts(
     }
     rules = _alert_rules(control_plane, tmp_path_factory.mktemp("rules"))
     with (
-        Prometheus(control_plane, port=prometheus_port, extra_jobs=[operator_job], rule_files=[rules]) as prom,
+        Prometheus(control_plane, port=prometheus_port, extra_jobs=[operator_job, dcgm.scrape_job()],
+                   rule_files=[rules]) as prom,
         Keda(control_plane) as keda,
     ):
         yield prom, keda
@@ -104,10 +113,12 @@ def scaling(
     parts: tuple[Prometheus, Keda],
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
+    dcgm: DcgmStandIn,
 ) -> Iterator[tuple[str, EngineKubelet, Prometheus, Keda]]:
     ns = control_plane.create_namespace("scaling")
     work = tmp_path_factory.mktemp("kubelet")
     with EngineKubelet(control_plane, ns, work, python=engine_python, env=ENGINE_ENV) as kubelet:
+        dcgm.pods = lambda: [(ns, pod) for pod in list(kubelet.pods)]
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(_model(ns, tiny_model)))
         yield ns, kubelet, *parts
         control_plane.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)

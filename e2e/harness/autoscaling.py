@@ -19,8 +19,9 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import yaml
 
@@ -296,6 +297,63 @@ class Prometheus(_Part):
             targets = [f"{t['labels']} health={t['health']} lastError={t.get('lastError')!r}" for t in self.targets()]
             raise AutoscalingPartsError(f"{e}; last result: {last}; active targets: {targets or 'none'}") from None
         return last
+
+
+class DcgmStandIn:
+    """Serves NVIDIA dcgm-exporter's GPU series for the engine pods, for a Prometheus job with honor_labels.
+
+    No GPU here, so no real dcgm-exporter: this serves its metric names and its Kubernetes labels
+    (pod, namespace, container of the pod holding the GPU) with fixed values, so that the dashboard's
+    GPU panels are tested for how they join DCGM's series to the engine pods, not for DCGM itself.
+    """
+
+    VALUES: ClassVar[dict[str, float]] = {
+        "DCGM_FI_DEV_GPU_UTIL": 37.0,
+        "DCGM_FI_DEV_FB_USED": 11200.0,
+        "DCGM_FI_DEV_GPU_TEMP": 64.0,
+    }
+
+    def __init__(self) -> None:
+        self.pods: Callable[[], list[tuple[str, str]]] = list
+        """(namespace, pod) of every engine pod holding a GPU, asked at each scrape."""
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = stand_in.exposition().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self.server.serve_forever, name="dcgm-stand-in", daemon=True)
+
+    def exposition(self) -> str:
+        lines = []
+        for gpu, (namespace, pod) in enumerate(self.pods()):
+            labels = f'gpu="{gpu}",UUID="GPU-stand-in-{gpu}",namespace="{namespace}",pod="{pod}",container="engine"'
+            lines += [f"{name}{{{labels}}} {value}" for name, value in self.VALUES.items()]
+        return "\n".join(lines) + "\n"
+
+    def scrape_job(self) -> dict[str, Any]:
+        return {
+            "job_name": "dcgm-exporter",
+            "honor_labels": True,
+            "static_configs": [{"targets": [f"127.0.0.1:{self.server.server_address[1]}"]}],
+        }
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # -- KEDA ----------------------------------------------------------------------------------------
