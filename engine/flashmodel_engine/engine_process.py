@@ -66,6 +66,8 @@ class EngineProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._pump: asyncio.Task[None] | None = None
         self.output_tail: deque[str] = deque(maxlen=20)
+        self.on_output: Callable[[str], None] | None = None
+        """Called with each line vLLM prints (the shim reads its start-up phases from them)."""
 
     @property
     def pid(self) -> int | None:
@@ -103,7 +105,10 @@ class EngineProcess:
                 return
             out.write(line)
             out.flush()
-            self.output_tail.append(line.decode(errors="replace").rstrip())
+            text = line.decode(errors="replace").rstrip()
+            self.output_tail.append(text)
+            if self.on_output is not None:
+                self.on_output(text)
 
     def send_signal(self, sig: int) -> None:
         if self._proc is not None and self._proc.returncode is None:

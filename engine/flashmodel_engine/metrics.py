@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -25,7 +26,11 @@ from flashmodel_engine.contract import (
     REQUESTS_PER_SECOND,
     REQUESTS_WAITING,
 )
+from flashmodel_engine.startup_phases import PHASES as VLLM_PHASES
+from flashmodel_engine.startup_phases import StartupPhases
 
+ENGINE_INIT_OTHER = "engine_init_other"
+"""vLLM's engine_init less its compile and graph capture (memory profiling, the KV cache, warm-up)."""
 log = logging.getLogger("flashmodel.metrics")
 
 # vLLM renamed its KV-cache gauge (>= 0.10: kv_cache_usage_perc); both are fractions 0..1.
@@ -240,9 +245,15 @@ class EngineMetrics:
         self.probe_latency = Histogram(
             "flashmodel_probe_generation_latency_seconds", "Readiness one-token generation latency.",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
-        self.startup_seconds = Gauge("flashmodel_startup_seconds",
-                                     "Start-up time by phase: launcher, engine_load, prewarm.", ["phase"],
-                                     registry=r)
+        self.startup_seconds = Gauge(
+            "flashmodel_startup_seconds",
+            "Start-up time by phase: the shim's launcher, engine_load (process start to /health) and prewarm; "
+            "vLLM's own weights, model_load, compile, graph_capture and engine_init (which holds compile and "
+            "capture), and engine_init_other (engine_init less those two: memory profiling, KV cache, warm-up).",
+            ["phase"], registry=r)
+        self.startup_graph_memory = Gauge("flashmodel_startup_graph_memory_bytes",
+                                          "The CUDA graph pool vLLM captured at start-up (0: eager or not yet).",
+                                          registry=r)
         for reason in (MEMORY_DIVERGENCE_REASON, "hung_readiness"):
             self.remediation.labels(reason).set(0)
         self.prewarm_succeeded.set(0)
@@ -286,6 +297,29 @@ class EngineMetrics:
     def set_baseline(self, used_bytes: int) -> None:
         self.divergence.set_baseline(used_bytes)
         self.memory_baseline.set(used_bytes)
+
+    def record_startup_phases(self, phases: StartupPhases) -> None:
+        """vLLM's start-up phases as flashmodel_startup_seconds{phase} (a restart first clears them)."""
+        for phase, seconds in phases.seconds.items():
+            self.startup_seconds.labels(phase=phase).set(seconds)
+        rest = phases.rest_of_engine_init()
+        if rest is not None:
+            self.startup_seconds.labels(phase=ENGINE_INIT_OTHER).set(rest)
+        self.startup_graph_memory.set(phases.graph_memory_bytes or 0.0)
+
+    def startup_by_phase(self) -> dict[str, float]:
+        """flashmodel_startup_seconds as {phase: seconds}, the phases known so far."""
+        return {
+            sample.labels["phase"]: sample.value
+            for family in self.startup_seconds.collect()
+            for sample in family.samples
+        }
+
+    def clear_startup_phases(self) -> None:
+        for phase in (*VLLM_PHASES, ENGINE_INIT_OTHER):
+            with contextlib.suppress(KeyError):
+                self.startup_seconds.remove(phase)
+        self.startup_graph_memory.set(0.0)
 
     def render(self, vllm_text: str | None) -> bytes:
         ours = generate_latest(self.registry)

@@ -30,6 +30,7 @@ from flashmodel_engine.engine_process import EngineProcess
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
 from flashmodel_engine.profiles import resolve
+from flashmodel_engine.startup_phases import StartupPhases
 
 log = logging.getLogger("flashmodel.shim")
 
@@ -58,7 +59,8 @@ def _reply(status: int, ok: bool, reason: str, **extra: Any) -> web.Response:
 
 
 def health_poll_answer(ready: bool, reason: str, generation: int, prewarm_succeeded: bool,
-                       metrics: EngineMetrics, sample: EngineSample | None) -> dict[str, Any]:
+                       metrics: EngineMetrics, sample: EngineSample | None,
+                       startup: dict[str, float] | None = None) -> dict[str, Any]:
     """`GET /health/poll`'s JSON: /readyz's result and the values the operator reads from /metrics.
 
     The same sources as those two endpoints: `readiness()`, the divergence tracker behind
@@ -66,7 +68,8 @@ def health_poll_answer(ready: bool, reason: str, generation: int, prewarm_succee
     and vLLM's running and waiting requests from the shim's last sample (every
     FLASHMODEL_SAMPLE_INTERVAL_SECONDS; /metrics reads them live, the drain still reads /metrics).
     The generation is the engine process's own count, which the flashmodel_engine_generation gauge
-    copies at each sample.
+    copies at each sample. `startup`: the seconds of each start-up phase known so far (the shim's
+    and vLLM's, as flashmodel_startup_seconds has them), for the pod's status.
     """
     recommended = metrics.divergence.recommended
     return {
@@ -79,6 +82,7 @@ def health_poll_answer(ready: bool, reason: str, generation: int, prewarm_succee
         "requestsRunning": sample.running if sample is not None else 0.0,
         "requestsWaiting": sample.waiting if sample is not None else 0.0,
         "state": health_poll_state(ready, generation, prewarm_succeeded, recommended),
+        "startupSeconds": dict(startup or {}),
     }
 
 
@@ -133,6 +137,10 @@ class EngineShim:
         self.sample_interval_seconds = float(os.environ.get(SAMPLE_INTERVAL_ENV, "2"))
         """How often memory and vLLM's metrics are sampled; read when the pod starts (tests sample faster)."""
         self.metrics = EngineMetrics(config.remediation)
+        self.startup_phases = StartupPhases()
+        """What vLLM has said of its start-up so far (its engine generation: _phases_generation)."""
+        self._phases_generation = engine.generation
+        engine.on_output = self._observe_startup
         self.memory = MemoryReader()
         self.started = False
         self.draining = False
@@ -217,6 +225,15 @@ class EngineShim:
                     return True
             await asyncio.sleep(0.5)
         return False
+
+    def _observe_startup(self, line: str) -> None:
+        if self.engine.generation != self._phases_generation:
+            # A restarted engine reports its phases anew; the last start's would mislead.
+            self._phases_generation = self.engine.generation
+            self.startup_phases = StartupPhases()
+            self.metrics.clear_startup_phases()
+        if self.startup_phases.observe(line) is not None:
+            self.metrics.record_startup_phases(self.startup_phases)
 
     # -- readiness -------------------------------------------------------------------------------
 
@@ -432,7 +449,8 @@ class EngineShim:
     async def health_poll(self, reuse_seconds: float = 0.0) -> dict[str, Any]:
         ok, reason = await self.readiness(reuse_seconds)
         prewarmed = self.prewarmed_generation == self.engine.generation
-        return health_poll_answer(ok, reason, self.engine.generation, prewarmed, self.metrics, self._last_sample)
+        return health_poll_answer(ok, reason, self.engine.generation, prewarmed, self.metrics, self._last_sample,
+                                  self.metrics.startup_by_phase())
 
     async def handle_health_poll(self, request: web.Request) -> web.Response:
         # 200 whenever the shim answers: readiness is in the body, and a status other than 200 tells

@@ -203,7 +203,12 @@ def test_the_health_poll_says_what_readyz_and_metrics_say_in_one_request(engine:
     raw = engine.get("/health/poll")
     assert raw.status == 200, raw.text
     assert set(raw.json()) == {"ready", "reason", "generation", "prewarmSucceeded", "divergenceRatio",
-                               "divergenceRecommended", "requestsRunning", "requestsWaiting", "state"}
+                               "divergenceRecommended", "requestsRunning", "requestsWaiting", "state",
+                               "startupSeconds"}
+    # The start-up phases for the pod's status: the shim's and vLLM's, as /metrics has them.
+    assert {"launcher", "engine_load", "weights", "engine_init"} <= set(raw.json()["startupSeconds"])
+    assert raw.json()["startupSeconds"]["engine_load"] == metric(
+        engine.metrics(), "flashmodel_startup_seconds", 'phase="engine_load"')
     reading, ready = operator_poll(engine)
     assert reading is not None and reading.state == raw.json()["state"]
     scraped = parse_metrics(engine.metrics())
@@ -283,6 +288,14 @@ def test_metrics_pass_vllm_through_with_real_values(engine: LaunchedEngine) -> N
     assert metric(text, "flashmodel_probe_generation_latency_seconds_count") >= 1
     assert metric(text, "flashmodel_remediation_recommended", 'reason="memory_divergence"') == 0
     assert metric(text, "flashmodel_startup_seconds", 'phase="engine_load"') > 1
+    # vLLM's own phases, read from its log lines: on the CPU it loads weights and inits its engine
+    # core (eager: no compile, no graph capture, no graph pool).
+    engine_init = metric(text, "flashmodel_startup_seconds", 'phase="engine_init"')
+    assert 0 < engine_init < metric(text, "flashmodel_startup_seconds", 'phase="engine_load"')
+    assert metric(text, "flashmodel_startup_seconds", 'phase="weights"') > 0
+    assert metric(text, "flashmodel_startup_seconds", 'phase="engine_init_other"') == engine_init
+    assert 'phase="graph_capture"' not in text
+    assert metric(text, "flashmodel_startup_graph_memory_bytes") == 0
 
 
 def test_readiness_is_cached_and_single_flight(engine: LaunchedEngine) -> None:
