@@ -50,8 +50,10 @@ ENFORCED_FLAGS: dict[str, str] = {
     "--otlp-traces-endpoint": "observability.otlpTracesEndpoint",
 }
 # Flags that are not enforced one by one but would set an enforced setting or the whole config.
-_ALIASES: dict[str, str] = {
+ALIASES: dict[str, str] = {
     "--no-enforce-eager": "--enforce-eager",
+    # vLLM 0.32's other name of --gpu-memory-utilization (the same dest); 0.26 lacks it.
+    "--device-memory-utilization": "--gpu-memory-utilization",
     # -O (vLLM rewrites it to --optimization-level) picks the compilation mode, so whether graphs run.
     "--optimization-level": "--enforce-eager",
     # Its backend key would replace the attention backend the profile picked.
@@ -115,6 +117,8 @@ class AcceleratorProfile:
     min_compute_capability: tuple[int, int] | None
     attention_backends: tuple[str, ...]
     default_enforce_eager: bool
+    why: dict[str, str]
+    """Why a limit above holds, by the engine field it limits (blockSize, dtype, ...): refusals say it."""
 
 
 PROFILES: dict[str, AcceleratorProfile] = {
@@ -127,10 +131,17 @@ PROFILES: dict[str, AcceleratorProfile] = {
         max_num_seqs=256, max_model_len=4096, head_size_multiple=16, min_head_size=16,
         card_memory_bytes=15 * 1024**3, min_compute_capability=(7, 5),
         attention_backends=("triton", "tile", "auto"),
-        # CUDA graphs on: eager decode was 17-19x slower per token at one request and carried 5-7x
-        # fewer requests at 8-32 (H200, vLLM 0.26, 1.5B); the graph pool is counted by vLLM's own
-        # memory profiler inside gpuMemoryUtilization (docs/benchmarks/goodput.md).
+        # CUDA graphs on: eager decode is many times slower per token and carries far fewer concurrent
+        # requests (docs/benchmarks/goodput.md); vLLM's memory profiler counts the graph pool inside
+        # gpuMemoryUtilization.
         default_enforce_eager=False,
+        why={
+            "blockSize": "the T4 attention kernel reads the KV cache in 16-token blocks",
+            "dtype": "the T4 (sm_75) has no bf16 units",
+            "gpuMemoryUtilization": "the CUDA context and activations need the rest of the 16 GB card",
+            "maxModelLen": "longer contexts leave too little KV cache on a 16 GB card for concurrent requests",
+            "maxNumSeqs": "more concurrent sequences run the card out of memory (512 does)",
+        },
     ),
     # vLLM's CPU attention accepts only block sizes that are multiples of 32 and head sizes >= 32.
     "cpu": AcceleratorProfile(
@@ -143,6 +154,13 @@ PROFILES: dict[str, AcceleratorProfile] = {
         # No CUDA graphs on a CPU; without eager mode vLLM's CPU backend compiles the model with
         # torch.compile at every start, which a tiny test model does not repay.
         default_enforce_eager=True,
+        why={
+            "blockSize": "vLLM's CPU attention supports only such blocks",
+            "dtype": "vLLM's CPU backend runs float32 or bfloat16",
+            "maxModelLen": "the cpu profile's KV cache is 1 GiB",
+            "maxNumSeqs": "the cpu profile's 1 GiB KV cache cannot hold more",
+            "attentionBackend": "the tile kernel is a CUDA Triton kernel",
+        },
     ),
 }
 
@@ -177,7 +195,7 @@ def _refusals(options: Options) -> dict[str, tuple[str, str]]:
     table: dict[str, tuple[str, str]] = {}
     for flag, field in ENFORCED_FLAGS.items():
         table[dest_of(flag, options)] = (flag, f"remove it and set {field} instead")
-    for flag, target in _ALIASES.items():
+    for flag, target in ALIASES.items():
         table.setdefault(dest_of(flag, options), (target, f"remove it and set {ENFORCED_FLAGS[target]} instead"))
     for flag, instead in MEMORY_PLAN_FLAGS.items():
         table.setdefault(dest_of(flag, options), (flag, instead))
@@ -189,7 +207,7 @@ def _verb(flag: str) -> str:
 
 
 def _guarded_names() -> list[str]:
-    return [*ENFORCED_FLAGS, *_ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS]
+    return [*ENFORCED_FLAGS, *ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS]
 
 
 def _table_problems(extra_args: list[str], table: Options) -> dict[int, tuple[bool, str]]:
@@ -216,7 +234,7 @@ def _table_problems(extra_args: list[str], table: Options) -> dict[int, tuple[bo
             # A table may lack a guarded flag that another vLLM has: judge it by its name too.
             guarded = [f for f in _guarded_names() if f.startswith(r.name) and len(r.name) > 2]
             if guarded:
-                flag = _ALIASES.get(guarded[0], guarded[0])
+                flag = ALIASES.get(guarded[0], guarded[0])
                 read_as = f" (vLLM reads {r.name} as {guarded[0]})" if guarded[0] != r.name else ""
                 field = ENFORCED_FLAGS.get(flag, "the FlashModel spec")
                 instead = MEMORY_PLAN_FLAGS.get(flag) or f"remove it and set {field} instead"
@@ -406,9 +424,8 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
         # Graphs for every step the prefill budget allows, not only pure decodes: a step larger than
         # the largest captured size runs without graphs (vLLM's CudagraphDispatcher), and under load
         # most steps mix decodes with prefill chunks. Capturing up to maxNumBatchedTokens instead of
-        # maxNumSeqs raised goodput 1.14x at 1.5B and 1.4x at 3B, halved TPOT p99 under load, and
-        # cost about 1.2-1.4 GiB of graph pool and 11-18 s of start-up (H100 in a T4 envelope,
-        # vLLM 0.26; docs/benchmarks/goodput.md). The memory plan counts that pool.
+        # maxNumSeqs raises goodput and cuts TPOT p99 under load, for a larger graph pool and a
+        # longer start-up (docs/benchmarks/goodput.md). The memory plan counts that pool.
         args += ["--max-cudagraph-capture-size", str(r.max_num_batched_tokens)]
     if r.profile.gpu:
         backend = _GPU_ATTENTION[r.attention_backend]
