@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
+from flashmodel_engine.config import Accelerator, ArgText, AttentionBackend, Dtype, EngineSettings
+from flashmodel_engine.profiles import PROFILES
+
 # spec.model.quantization's values: the engine's table is the one list (the CRD's enum is generated from it).
 from flashmodel_engine.quantization import Quantization as Quantization
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from flashmodel_operator.spec_fields import engine_field
 from flashmodel_operator.spec_rules import Rule as Rule
-from flashmodel_operator.spec_rules import accelerator_rules, extra_args_rules
+from flashmodel_operator.spec_rules import accelerator_rules, extra_args_rules, when_set_rules
 
 
 class _Spec(BaseModel):
@@ -25,6 +29,10 @@ class _Spec(BaseModel):
     rules: ClassVar[tuple[Rule, ...]] = ()
     field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {}
 
+
+# The accelerator a FlashModel gets when it names none; its profile gives the CRD's engine defaults.
+_DEFAULT_ACCELERATOR: Accelerator = "t4"
+_DEFAULT_PROFILE = PROFILES[_DEFAULT_ACCELERATOR]
 
 # Bounds shared by several fields. Strings and lists are bounded so that the API server's CEL cost
 # estimator can bound every rule.
@@ -197,6 +205,7 @@ class EngineSpec(_Spec):
             field_path=".maxNumBatchedTokens",
             reason="FieldValueInvalid",
         ),
+        *when_set_rules(),
     )
     field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
         "extra_args": (
@@ -218,72 +227,24 @@ class EngineSpec(_Spec):
         default="ghcr.io/flashmodel/engine:0.1.0",
         description="The engine image (vLLM + flashmodel_engine).",
     )
-    # No default here: the accelerator profile decides (16 on t4, 32 on cpu).
-    block_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=256,
-        description="KV-cache block size in tokens (--block-size); t4 must be 16, cpu a multiple of 32.",
+    # The engine's definitions (flashmodel_engine.config.EngineSettings) with the CRD's defaults: those
+    # of the default accelerator's profile. Fields without one are the profile's to decide per card
+    # (blockSize 16 on t4 and 32 on cpu, dtype, eager mode) or vLLM's (prefix caching).
+    block_size: int | None = engine_field(EngineSettings, "block_size")
+    gpu_memory_utilization: float = engine_field(
+        EngineSettings, "gpu_memory_utilization", default=_DEFAULT_PROFILE.default_gpu_memory_utilization
     )
-    gpu_memory_utilization: float = Field(
-        default=0.85,
-        ge=0.1,
-        le=0.95,
-        description="Fraction of GPU memory vLLM may use (--gpu-memory-utilization); t4 at most 0.90. Default 0.85.",
+    max_num_seqs: int = engine_field(EngineSettings, "max_num_seqs", default=_DEFAULT_PROFILE.max_num_seqs)
+    max_model_len: int = engine_field(EngineSettings, "max_model_len", default=_DEFAULT_PROFILE.max_model_len)
+    # The whole context in one step, so no extraArgs are needed for a full-length prompt.
+    max_num_batched_tokens: int = engine_field(
+        EngineSettings, "max_num_batched_tokens", default=_DEFAULT_PROFILE.max_model_len
     )
-    max_num_seqs: int = Field(
-        default=256,
-        ge=1,
-        le=1024,
-        description="Most sequences batched at once (--max-num-seqs); t4 at most 256. Default 256.",
-    )
-    max_model_len: int = Field(
-        default=4096,
-        ge=128,
-        le=131072,
-        description=(
-            "Context length in tokens, prompt plus output (--max-model-len); t4 at most 4096. The chat "
-            "template takes about 17 tokens of it. Default 4096."
-        ),
-    )
-    max_num_batched_tokens: int = Field(
-        default=4096,
-        ge=16,
-        le=131072,
-        description=(
-            "The prefill cap: most tokens scheduled in one step (--max-num-batched-tokens); at least "
-            "maxModelLen unless extraArgs has --enable-chunked-prefill. On t4 CUDA graphs are captured for "
-            "steps up to it, so it also sizes the graph pool. Default 4096."
-        ),
-    )
-    dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = Field(
-        default=None,
-        description="Weights and activations dtype (--dtype); t4 refuses bfloat16, cpu refuses float16.",
-    )
-    # No default here: the accelerator profile decides (graphs on t4, eager on cpu).
-    enforce_eager: bool | None = Field(
-        default=None,
-        description=(
-            "Skip CUDA graphs (--enforce-eager). Unset: the profile decides (t4: graphs on, captured for "
-            "steps up to maxNumBatchedTokens; cpu: eager). Eager saves the graph pool (about 1.5 GiB at "
-            "1.5B with the default 4096-token budget) and the capture at start-up, and makes every step slower."
-        ),
-    )
-    attention_backend: Literal["triton", "tile", "auto"] = Field(
-        default="triton",
-        description=(
-            "Attention implementation: triton is vLLM's Triton backend, tile is flashmodel's kernel (GPU "
-            "only), auto lets vLLM choose."
-        ),
-    )
-    extra_args: list[PathText] = Field(
-        default_factory=list,
-        max_length=64,
-        description=(
-            "More vLLM server flags, one token per entry. None may set a flag the operator or the profile "
-            "enforces; the rejection names the FlashModel field to use instead."
-        ),
-    )
+    dtype: Dtype | None = engine_field(EngineSettings, "dtype")
+    enforce_eager: bool | None = engine_field(EngineSettings, "enforce_eager")
+    enable_prefix_caching: bool | None = engine_field(EngineSettings, "enable_prefix_caching")
+    attention_backend: AttentionBackend = engine_field(EngineSettings, "attention_backend")
+    extra_args: list[ArgText] = engine_field(EngineSettings, "extra_args")
 
 
 class PrewarmSpec(_Spec):
@@ -587,8 +548,8 @@ class FlashModelSpec(_Spec):
     model: ModelSpec = Field(
         description="Where the weights come from (exactly one source) and the name clients ask for.",
     )
-    accelerator: Literal["t4", "cpu"] = Field(
-        default="t4",
+    accelerator: Accelerator = Field(
+        default=_DEFAULT_ACCELERATOR,
         description=(
             "The accelerator profile: which settings are enforced and where pods run. t4 is one NVIDIA T4 per "
             "pod; cpu is vLLM's CPU backend (tests and laptops)."

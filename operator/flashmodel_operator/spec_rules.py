@@ -8,12 +8,14 @@ server, which answers before a pod starts; the engine checks the same tables aga
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flashmodel_engine.profiles import (
     ALIASES,
     CONFIG_FLAG,
     ENFORCED_FLAGS,
+    ENFORCED_WHEN_SET,
     MEMORY_PLAN_FLAGS,
     PROFILES,
     AcceleratorProfile,
@@ -41,12 +43,12 @@ class Rule:
         return out
 
 
-def _listed(items: list[str] | tuple[str, ...]) -> str:
+def _listed(items: Sequence[str]) -> str:
     """a, b or c"""
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
-def _cel_list(items: list[str] | tuple[str, ...]) -> str:
+def _cel_list(items: Sequence[str]) -> str:
     return "[" + ", ".join(f"'{i}'" for i in items) + "]"
 
 
@@ -87,7 +89,7 @@ _WHY: dict[str, str] = {
 }
 
 
-def _flag_rule(flags: list[str] | tuple[str, ...], message: str) -> Rule:
+def _flag_rule(flags: Sequence[str], message: str) -> Rule:
     return Rule(
         f"!self.exists(a, a.startsWith('--') && size({_FLAG_NAME}) > 2 "
         f"&& {_cel_list(flags)}.exists(f, f.startsWith({_FLAG_NAME})))",
@@ -125,6 +127,28 @@ def extra_args_rules() -> tuple[Rule, ...]:
             "nor an abbreviation of one; remove it",
         ),
     )
+
+
+def when_set_rules() -> tuple[Rule, ...]:
+    """spec.engine's rules for the flags a field decides once it is set (ENFORCED_WHEN_SET)."""
+    by_key: dict[str, list[str]] = {}
+    for flag, key in ENFORCED_WHEN_SET.items():
+        by_key.setdefault(key, []).append(flag)
+    rules = []
+    for key, flags in by_key.items():
+        section, field = key.split(".")
+        if section != "engine":
+            raise ValueError(f"ENFORCED_WHEN_SET key {key}: only spec.engine fields have a rule beside extraArgs")
+        rules.append(Rule(
+            f"!has(self.{field}) || !has(self.extraArgs) || !self.extraArgs.exists(a, a.startsWith('--') && "
+            f"size({_FLAG_NAME}) > 2 && {_cel_list(flags)}.exists(f, f.startsWith({_FLAG_NAME})))",
+            f"extraArgs must not set {_listed(flags)} (nor abbreviate {'it' if len(flags) == 1 else 'them'}) while "
+            f"spec.engine.{field} is set, which decides it; remove the flag from extraArgs, or remove {field} "
+            "to leave it to extraArgs",
+            field_path=".extraArgs",
+            reason="FieldValueForbidden",
+        ))
+    return tuple(rules)
 
 
 # --- the accelerator profiles -----------------------------------------------------------------------

@@ -183,6 +183,14 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "and the cpu profile refuses float16; set spec.engine.dtype to bfloat16 (the cpu default is float32)",
     ),
     (
+        "prefix-caching-field-and-flag",
+        engine(enablePrefixCaching=False, extraArgs=["--seed", "1", "--enable-prefix-caching"]),
+        "spec.engine.extraArgs",
+        "extraArgs must not set --enable-prefix-caching or --no-enable-prefix-caching (nor abbreviate them) while "
+        "spec.engine.enablePrefixCaching is set, which decides it; remove the flag from extraArgs, or remove "
+        "enablePrefixCaching to leave it to extraArgs",
+    ),
+    (
         "autoscaling-min-above-max",
         {"model": MODEL, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "spec.autoscaling",
@@ -532,3 +540,14 @@ def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane
         json.dumps({"status": status}),
     )
     assert get(control_plane, namespace, "status-fields")["status"] == status
+
+
+def test_prefix_caching_is_a_field_and_stays_free_in_extra_args_while_it_is_unset(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    # FlashModels written before the field name the flag in extraArgs; they must keep validating.
+    rc, stderr = create(control_plane, namespace, "prefix-args", engine(extraArgs=["--no-enable-prefix-caching"]))
+    assert rc == 0, stderr
+    rc, stderr = create(control_plane, namespace, "prefix-field", engine(enablePrefixCaching=True))
+    assert rc == 0, stderr
+    assert get(control_plane, namespace, "prefix-field")["spec"]["engine"]["enablePrefixCaching"] is True

@@ -236,3 +236,29 @@ def test_a_spec_at_the_crd_bounds_reaches_the_engine_unchanged(bound: str) -> No
             if getattr(ours, name) is not None and getattr(theirs, name) != getattr(ours, name):
                 differences.append(f"{section}.{name}: {getattr(ours, name)!r} set, {getattr(theirs, name)!r} read")
     assert differences == []
+
+
+def test_spec_engine_fields_are_the_engine_configs_with_the_crds_defaults() -> None:
+    """One definition of each spec.engine field: the engine's type, bounds and description."""
+    from flashmodel_engine.config import EngineSettings
+    from flashmodel_engine.profiles import PROFILES
+    from flashmodel_operator.model import EngineSpec, FlashModelSpec
+
+    problems = []
+    for name, ours in EngineSpec.model_fields.items():
+        if name == "image":  # the pod's image: the engine only reads it as information
+            continue
+        theirs = EngineSettings.model_fields[name]
+        if ours.metadata != theirs.metadata:
+            problems.append(f"{name}: bounds {ours.metadata} in the spec, {theirs.metadata} in the engine")
+        if not (ours.description or "").startswith(theirs.description or "-"):
+            problems.append(f"{name}: the spec's description is not the engine's")
+        _, annotation = _is_optional(theirs.annotation)
+        if ours.annotation not in (theirs.annotation, annotation):
+            problems.append(f"{name}: {ours.annotation} in the spec, {theirs.annotation} in the engine")
+    assert problems == []
+    # The CRD's defaults are the default accelerator's profile values, not numbers of their own.
+    default = PROFILES[FlashModelSpec.model_fields["accelerator"].default]
+    spec = EngineSpec()
+    assert (spec.max_num_seqs, spec.max_model_len, spec.gpu_memory_utilization) == (
+        default.max_num_seqs, default.max_model_len, default.default_gpu_memory_utilization)

@@ -355,3 +355,11 @@ def test_a_spec_field_added_with_a_default_rolls_no_pod(case: str, section: str)
     annotations = render_pod_template(changed)["metadata"]["annotations"]
     assert annotations[CONFIG_HASH_ANNOTATION] != render_pod_template(fm)["metadata"]["annotations"][
         CONFIG_HASH_ANNOTATION]
+
+
+def test_prefix_caching_reaches_the_engine_config_and_command_line_only_when_set() -> None:
+    fm = FlashModel.from_body({**MINIMAL_T4, "spec": {**MINIMAL_T4["spec"], "engine": {"enablePrefixCaching": False}}})
+    config = engine_config(fm)
+    assert config["engine"]["enablePrefixCaching"] is False
+    assert "--no-enable-prefix-caching" in engine_args(config)
+    assert "enablePrefixCaching" not in engine_config(FlashModel.from_body(MINIMAL_T4))["engine"]
