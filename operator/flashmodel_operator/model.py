@@ -2,6 +2,8 @@
 
 Each field's type, default, bounds and description, and each CEL rule, are what the API server
 enforces and `kubectl explain` shows: scripts/gen_crd.py writes them into crds/flashmodel.yaml.
+spec.engine's fields are the engine's (flashmodel_engine.config.EngineSettings, via spec_fields), and
+the rules that restate the engine's profile, quantization and flag tables come from spec_rules.
 """
 
 from __future__ import annotations

@@ -94,9 +94,9 @@ def model_path(fm: FlashModel) -> str:
 # The spec fields every engine config has held since the config hash covered it: they are written
 # whatever their value (None aside), since leaving one out would change the hash of every existing
 # model and roll its pods. A field added to a section later is written only when it differs from its
-# default, so adding a field with a default rolls nothing; the engine reads the same default where
-# the key is absent (tests/crd/test_model_agrees.py checks the two defaults agree).
-_ALWAYS_WRITTEN: dict[str, frozenset[str]] = {
+# default, so adding a field with a default rolls nothing; the engine must then read the same default
+# where the key is absent (tests/crd/test_model_agrees.py checks that it does).
+ALWAYS_WRITTEN: dict[str, frozenset[str]] = {
     "engine": frozenset({
         "block_size", "gpu_memory_utilization", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
         "dtype", "enforce_eager", "attention_backend", "extra_args",
@@ -115,7 +115,7 @@ _NOT_WRITTEN: dict[str, frozenset[str]] = {"engine": frozenset({"image"})}
 
 def engine_section(section: str, values: BaseModel) -> dict[str, Any]:
     """One spec section as the engine config writes it: camelCase, without None and new defaults."""
-    written = _ALWAYS_WRITTEN[section]
+    written = ALWAYS_WRITTEN[section]
     out: dict[str, Any] = {}
     for name, field in type(values).model_fields.items():
         value = getattr(values, name)
