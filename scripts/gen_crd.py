@@ -1,9 +1,9 @@
-"""Write the FlashModel CRD's spec schema from the operator's pydantic models (flashmodel_operator.model).
+"""Write the FlashModel CRD's spec and status schemas from the operator's pydantic models (model, status_model).
 
     python scripts/gen_crd.py          # rewrite crds/flashmodel.yaml and the chart's copy
     python scripts/gen_crd.py --check  # exit 1 when either differs from what the models give
 
-Only the `spec:` block under openAPIV3Schema is generated; the rest of the file is written by hand.
+Only the `spec:` and `status:` blocks under openAPIV3Schema are generated; the rest of the file is written by hand.
 """
 
 from __future__ import annotations

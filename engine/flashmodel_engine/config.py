@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -15,6 +15,8 @@ from flashmodel_engine.quantization import Quantization
 Accelerator = Literal["t4", "cpu"]
 Dtype = Literal["float16", "bfloat16", "float32", "auto"]
 AttentionBackend = Literal["triton", "tile", "auto"]
+ArgText = Annotated[str, Field(max_length=1024)]
+"""One vLLM command-line token; bounded so the API server's CEL cost estimator can bound its rules."""
 
 
 class _Strict(BaseModel):
@@ -41,32 +43,75 @@ class ModelSource(_Strict):
 
 
 class EngineSettings(_Strict):
-    """The FlashModel's `spec.engine`; None means 'the accelerator profile's default'."""
+    """The FlashModel's `spec.engine`; None means 'the accelerator profile's default'.
+
+    The one definition of each field's type, bounds and description: the operator's spec
+    (flashmodel_operator.model.EngineSpec) takes them from here and adds the CRD's defaults, and the
+    CRD is generated from that. A new vLLM setting is one field here (plus its flag in
+    profiles.ENFORCED_FLAGS or ENFORCED_WHEN_SET, and a profile limit where a card needs one).
+    """
 
     image: str | None = Field(default=None, description="Engine image; informational inside the pod.")
     block_size: int | None = Field(
-        default=None, ge=1, description="KV-cache block size in tokens; t4: 16, cpu: multiple of 32."
+        default=None, ge=1, le=256,
+        description="KV-cache block size in tokens (--block-size); t4 must be 16, cpu a multiple of 32.",
     )
     gpu_memory_utilization: float | None = Field(
-        default=None, ge=0.1, le=0.95, description="Fraction of GPU memory vLLM may use; t4: <= 0.90."
+        default=None, ge=0.1, le=0.95,
+        description="Fraction of GPU memory vLLM may use (--gpu-memory-utilization); t4 at most 0.90.",
     )
-    max_num_seqs: int | None = Field(default=None, ge=1, le=1024, description="Concurrent sequences; <= 256.")
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="Most sequences batched at once (--max-num-seqs); t4 at most 256.",
+    )
     max_model_len: int | None = Field(
-        default=None, ge=128, le=131072, description="Context length (prompt + output) in tokens."
+        default=None, ge=128, le=131072,
+        description=(
+            "Context length in tokens, prompt plus output (--max-model-len); t4 at most 4096. The chat "
+            "template takes about 17 tokens of it."
+        ),
     )
     max_num_batched_tokens: int | None = Field(
-        default=None, ge=1, description="Prefill cap per step; >= maxModelLen unless chunked prefill."
+        default=None, ge=16, le=131072,
+        description=(
+            "The prefill cap: most tokens scheduled in one step (--max-num-batched-tokens); at least "
+            "maxModelLen unless extraArgs has --enable-chunked-prefill. On t4 CUDA graphs are captured for "
+            "steps up to it, so it also sizes the graph pool."
+        ),
     )
-    dtype: Dtype | None = Field(default=None, description="Weights/activations dtype; t4: never bfloat16.")
+    dtype: Dtype | None = Field(
+        default=None,
+        description="Weights and activations dtype (--dtype); t4 refuses bfloat16, cpu refuses float16.",
+    )
     enforce_eager: bool | None = Field(
         default=None,
-        description="Skip CUDA graphs; None: the profile's default (t4: graphs on, cpu: eager).",
+        description=(
+            "Skip CUDA graphs (--enforce-eager). Unset: the profile decides (t4: graphs on, captured for "
+            "steps up to maxNumBatchedTokens; cpu: eager). Eager saves the graph pool (about 1.5 GiB at "
+            "1.5B with the default 4096-token budget) and the capture at start-up, and makes every step slower."
+        ),
+    )
+    enable_prefix_caching: bool | None = Field(
+        default=None,
+        description=(
+            "Whether vLLM keeps the KV cache of prompt prefixes for later requests that share them, such as "
+            "a long system prompt (--enable-prefix-caching or --no-enable-prefix-caching). Unset: vLLM's "
+            "default, on for most models. Set, extraArgs may not name either flag."
+        ),
     )
     attention_backend: AttentionBackend = Field(
-        default="triton", description="triton: vLLM's Triton kernel; tile: flashmodel_kernels'; auto: vLLM."
+        default="triton",
+        description=(
+            "Attention implementation: triton is vLLM's Triton backend, tile is flashmodel's kernel (GPU "
+            "only), auto lets vLLM choose."
+        ),
     )
-    extra_args: list[str] = Field(
-        default_factory=list, description="More vLLM flags; none may set an enforced flag."
+    extra_args: list[ArgText] = Field(
+        default_factory=list, max_length=64,
+        description=(
+            "More vLLM server flags, one token per entry. None may set a flag the operator or the profile "
+            "enforces; the rejection names the FlashModel field to use instead."
+        ),
     )
     cpu_kv_cache_space_gib: int = Field(
         default=1, ge=1, le=1024, alias="cpuKVCacheSpaceGiB",

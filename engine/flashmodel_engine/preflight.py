@@ -499,6 +499,55 @@ def _host_memory_bytes() -> int | None:
     return limit
 
 
+def _check_device(device: DeviceInfo | None, r: ResolvedEngine, report: PreflightReport) -> None:
+    """The GPU the profile needs: present, new enough for the profile and for the dtype."""
+    if device is None:
+        report.failures.append(
+            f"no NVIDIA GPU visible through NVML; the {r.profile.name} profile needs one "
+            "(check the nvidia.com/gpu resource, or use accelerator: cpu without a GPU)"
+        )
+        return
+    cc = device.compute_capability
+    need = DTYPE_MIN_CC.get(r.dtype, (0, 0))
+    if r.profile.min_compute_capability and cc < r.profile.min_compute_capability:
+        report.failures.append(f"{device.name} is sm_{cc[0]}{cc[1]}, below the {r.profile.name} "
+                               "profile's sm_75; schedule onto a T4 node")
+    if cc < need:
+        report.failures.append(f"dtype {r.dtype} needs sm_{need[0]}{need[1]} but {device.name} is "
+                               f"sm_{cc[0]}{cc[1]}; use float16")
+    report.notes.append(f"device={device.name.replace(' ', '-')} sm={cc[0]}{cc[1]} "
+                        f"memory_gib={device.total_memory_bytes / GIB:.1f}")
+
+
+def _check_api_key(key_file: Path, report: PreflightReport) -> None:
+    try:
+        if not key_file.read_text().strip():
+            report.failures.append(f"auth.apiKeyFile {key_file} is empty; put the API key in the Secret")
+    except OSError as e:
+        report.failures.append(f"auth.apiKeyFile {key_file} cannot be read ({e.strerror}); "
+                               "mount the Secret named in spec.auth.apiKeySecretRef there")
+
+
+def _check_shape(cfg: dict[str, Any], r: ResolvedEngine, report: PreflightReport) -> None:
+    """The model's head size and context length against what the profile's attention and the spec ask."""
+    heads = int(cfg.get("num_attention_heads") or 0)
+    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+    if head_dim % r.profile.head_size_multiple:
+        report.failures.append(
+            f"head size {head_dim} is not a multiple of {r.profile.head_size_multiple}, which the "
+            f"{r.profile.name} attention kernel needs; this model cannot run on {r.profile.name}"
+        )
+    if head_dim < r.profile.min_head_size:
+        report.failures.append(f"head size {head_dim} is below {r.profile.min_head_size}, the smallest "
+                               f"the {r.profile.name} attention supports; use another model")
+    mpe = cfg.get("max_position_embeddings")
+    if isinstance(mpe, int) and mpe < r.max_model_len:
+        report.failures.append(
+            f"engine.maxModelLen is {r.max_model_len} but the model's max_position_embeddings is {mpe}; "
+            f"set maxModelLen <= {mpe}"
+        )
+
+
 def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
                   device: DeviceInfo | None = None, detect: bool = True,
                   raise_nofile: bool = True) -> PreflightReport:
@@ -517,31 +566,9 @@ def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
     if device is None and detect and r.profile.gpu:
         device = detect_device()
     if r.profile.gpu:
-        if device is None:
-            report.failures.append(
-                f"no NVIDIA GPU visible through NVML; the {r.profile.name} profile needs one "
-                "(check the nvidia.com/gpu resource, or use accelerator: cpu without a GPU)"
-            )
-        else:
-            cc = device.compute_capability
-            need = DTYPE_MIN_CC.get(r.dtype, (0, 0))
-            if r.profile.min_compute_capability and cc < r.profile.min_compute_capability:
-                report.failures.append(f"{device.name} is sm_{cc[0]}{cc[1]}, below the {r.profile.name} "
-                                       "profile's sm_75; schedule onto a T4 node")
-            if cc < need:
-                report.failures.append(f"dtype {r.dtype} needs sm_{need[0]}{need[1]} but {device.name} is "
-                                       f"sm_{cc[0]}{cc[1]}; use float16")
-            report.notes.append(f"device={device.name.replace(' ', '-')} sm={cc[0]}{cc[1]} "
-                                f"memory_gib={device.total_memory_bytes / GIB:.1f}")
-
+        _check_device(device, r, report)
     if config.auth is not None:
-        key_file = Path(config.auth.api_key_file)
-        try:
-            if not key_file.read_text().strip():
-                report.failures.append(f"auth.apiKeyFile {key_file} is empty; put the API key in the Secret")
-        except OSError as e:
-            report.failures.append(f"auth.apiKeyFile {key_file} cannot be read ({e.strerror}); "
-                                   "mount the Secret named in spec.auth.apiKeySecretRef there")
+        _check_api_key(Path(config.auth.api_key_file), report)
 
     path = Path(model_dir) if model_dir is not None else Path(config.model.path)
     if not path.is_dir():
@@ -559,22 +586,7 @@ def run_preflight(config: EngineConfig, model_dir: str | Path | None = None, *,
     weights_bytes, linear_bytes = _check_files(path, report)
     if cfg is not None:
         report.quantization = _resolve_quantization(cfg, path, r, device, report)
-        heads = int(cfg.get("num_attention_heads") or 0)
-        head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
-        if head_dim % r.profile.head_size_multiple:
-            report.failures.append(
-                f"head size {head_dim} is not a multiple of {r.profile.head_size_multiple}, which the "
-                f"{r.profile.name} attention kernel needs; this model cannot run on {r.profile.name}"
-            )
-        if head_dim < r.profile.min_head_size:
-            report.failures.append(f"head size {head_dim} is below {r.profile.min_head_size}, the smallest "
-                                   f"the {r.profile.name} attention supports; use another model")
-        mpe = cfg.get("max_position_embeddings")
-        if isinstance(mpe, int) and mpe < r.max_model_len:
-            report.failures.append(
-                f"engine.maxModelLen is {r.max_model_len} but the model's max_position_embeddings is {mpe}; "
-                f"set maxModelLen <= {mpe}"
-            )
+        _check_shape(cfg, r, report)
         if weights_bytes:
             _check_fit(cfg, r, config, weights_bytes, linear_bytes, device, report)
         vocab = cfg.get("vocab_size")

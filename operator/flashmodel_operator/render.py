@@ -19,6 +19,7 @@ from flashmodel_engine.contract import (
     SHIM_PORT,
     STARTUP_PATH,
 )
+from pydantic import BaseModel
 
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
@@ -90,16 +91,52 @@ def model_path(fm: FlashModel) -> str:
     return source.hub.id
 
 
+# The spec fields every engine config has held since the config hash covered it: they are written
+# whatever their value (None aside), since leaving one out would change the hash of every existing
+# model and roll its pods. A field added to a section later is written only when it differs from its
+# default, so adding a field with a default rolls nothing; the engine must then read the same default
+# where the key is absent (tests/crd/test_model_agrees.py checks that it does).
+ALWAYS_WRITTEN: dict[str, frozenset[str]] = {
+    "engine": frozenset({
+        "block_size", "gpu_memory_utilization", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+        "dtype", "enforce_eager", "attention_backend", "extra_args",
+    }),
+    "prewarm": frozenset({"enabled", "requests", "prompts", "max_tokens", "timeout_seconds"}),
+    "health": frozenset({"readiness_deadline_seconds", "readiness_cache_seconds", "startup_timeout_seconds"}),
+    "remediation": frozenset({
+        "enabled", "divergence_ratio", "divergence_window_seconds", "low_kv_cache_usage",
+        "max_restarts_per_hour", "hung_readiness_seconds",
+    }),
+    "observability": frozenset({"otlp_traces_endpoint", "otlp_traces_protocol"}),
+}
+# Spec fields the engine does not read: the image is the pod's, not a setting.
+_NOT_WRITTEN: dict[str, frozenset[str]] = {"engine": frozenset({"image"})}
+
+
+def engine_section(section: str, values: BaseModel) -> dict[str, Any]:
+    """One spec section as the engine config writes it: camelCase, without None and new defaults."""
+    written = ALWAYS_WRITTEN[section]
+    out: dict[str, Any] = {}
+    for name, field in type(values).model_fields.items():
+        value = getattr(values, name)
+        if value is None or name in _NOT_WRITTEN.get(section, ()):
+            continue
+        if name not in written and value == field.get_default(call_default_factory=True):
+            continue
+        out[field.alias or name] = value.model_dump(by_alias=True) if isinstance(value, BaseModel) else value
+    return out
+
+
 def engine_config(fm: FlashModel) -> dict[str, Any]:
     """The engine config file (docs/design.md), camelCase like the spec it comes from."""
     spec = fm.spec
     config: dict[str, Any] = {
         "accelerator": spec.accelerator,
         "model": {"path": model_path(fm), "servedName": fm.served_name},
-        "engine": spec.engine.model_dump(by_alias=True, exclude={"image"}, exclude_none=True),
-        "prewarm": spec.prewarm.model_dump(by_alias=True),
-        "health": spec.health.model_dump(by_alias=True),
-        "remediation": spec.remediation.model_dump(by_alias=True),
+        "engine": engine_section("engine", spec.engine),
+        "prewarm": engine_section("prewarm", spec.prewarm),
+        "health": engine_section("health", spec.health),
+        "remediation": engine_section("remediation", spec.remediation),
         "server": {
             "host": "0.0.0.0",
             "enginePort": ENGINE_PORT,
@@ -113,7 +150,7 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         # the config hash of every existing hub model.
         config["model"]["revision"] = hub.revision
     if spec.observability is not None and spec.observability.otlp_traces_endpoint is not None:
-        config["observability"] = spec.observability.model_dump(by_alias=True, exclude_none=True)
+        config["observability"] = engine_section("observability", spec.observability)
     if spec.model.quantization != "auto":
         # Only when set: auto is the engine's default too, and writing it would change the config
         # hash of every existing model, so upgrading the operator would restart all their pods.

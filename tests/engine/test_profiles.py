@@ -87,7 +87,7 @@ def test_launcher_command_and_api_key_through_environment(tmp_path: Any) -> None
 @pytest.mark.parametrize(("accelerator", "engine", "message"), [
     ("t4", {"blockSize": 32}, "engine.blockSize is 32; it must be 16 on t4"),
     ("t4", {"dtype": "bfloat16"}, "engine.dtype is bfloat16; allowed on t4: float16, float32, auto "
-                                  "(the T4 (sm_75) has no bfloat16; use float16)"),
+                                  "(the T4 (sm_75) has no bf16 units; use float16)"),
     ("t4", {"gpuMemoryUtilization": 0.93}, "engine.gpuMemoryUtilization is 0.93; it must be <= 0.9 on t4"),
     ("t4", {"maxNumSeqs": 512}, "engine.maxNumSeqs is 512; it must be <= 256 on t4"),
     ("t4", {"maxModelLen": 8192}, "engine.maxModelLen is 8192; it must be <= 4096 on t4"),
@@ -172,3 +172,26 @@ def test_tracing_sets_the_endpoint_flag_protocol_and_service_name() -> None:
     assert engine_environment(config, {})["OTEL_SERVICE_NAME"] == "llm"
     assert "--otlp-traces-endpoint" not in vllm_args(hub())
     assert not any(k.startswith("OTEL_") for k in vllm_env(hub()))
+
+
+@pytest.mark.parametrize(("setting", "expect", "absent"), [
+    (True, "--enable-prefix-caching", "--no-enable-prefix-caching"),
+    (False, "--no-enable-prefix-caching", "--enable-prefix-caching"),
+])
+def test_prefix_caching_set_in_the_spec_reaches_vllm(setting: bool, expect: str, absent: str) -> None:
+    for accelerator in ("t4", "cpu"):
+        args = vllm_args(make(accelerator, enablePrefixCaching=setting))
+        assert expect in args and absent not in args
+
+
+def test_prefix_caching_unset_leaves_it_to_vllm_and_to_extra_args() -> None:
+    assert not any("prefix-caching" in a for a in vllm_args(make("t4")))
+    # FlashModels from before the field may name the flag in extraArgs, and keep running.
+    args = vllm_args(make("t4", extraArgs=["--no-enable-prefix-caching"]))
+    assert args[0] == "--no-enable-prefix-caching" and args.count("--no-enable-prefix-caching") == 1
+
+
+@pytest.mark.parametrize("extra", [["--enable-prefix-caching"], ["--no-enable-prefix-caching"], ["--enable-prefix"]])
+def test_extra_args_cannot_contradict_a_prefix_caching_field(extra: list[str]) -> None:
+    with pytest.raises(ProfileError, match=r"engine\.enablePrefixCaching is set and decides it"):
+        vllm_args(make("t4", enablePrefixCaching=True, extraArgs=extra))

@@ -329,3 +329,37 @@ def test_tracing_endpoint_reaches_the_engine_config_and_command_line() -> None:
     args = engine_args(config)
     assert args[args.index("--otlp-traces-endpoint") + 1] == "http://otel-collector.monitoring:4317"
     assert "observability" not in engine_config(FlashModel.from_body(MINIMAL_T4))
+
+
+@pytest.mark.parametrize("section", ["engine", "prewarm", "health", "remediation"])
+@pytest.mark.parametrize("case", sorted(ALL))
+def test_a_spec_field_added_with_a_default_rolls_no_pod(case: str, section: str) -> None:
+    """The operator's next version may add a defaulted field; existing pods must keep their template."""
+    from pydantic import Field, create_model
+
+    fm = FlashModel.from_body(ALL[case])
+    current = getattr(fm.spec, section)
+    grown_model = create_model(  # the section as a release with one more field would have it
+        f"Grown{type(current).__name__}", __base__=type(current),
+        new_setting=(int, Field(default=7, ge=0, description="A setting added after these pods started.")),
+    )
+    grown = grown_model.model_validate(current.model_dump(by_alias=True, exclude_unset=True))
+    later = fm.model_copy(update={"spec": fm.spec.model_copy(update={section: grown})})
+    assert render_pod_template(later) == render_pod_template(fm)
+    assert engine_config(later) == engine_config(fm)
+
+    # Set to anything but its default, the new field reaches the engine and rolls the pods.
+    changed = fm.model_copy(update={"spec": fm.spec.model_copy(update={section: grown.model_copy(
+        update={"new_setting": 8})})})
+    assert engine_config(changed)[section]["newSetting"] == 8
+    annotations = render_pod_template(changed)["metadata"]["annotations"]
+    assert annotations[CONFIG_HASH_ANNOTATION] != render_pod_template(fm)["metadata"]["annotations"][
+        CONFIG_HASH_ANNOTATION]
+
+
+def test_prefix_caching_reaches_the_engine_config_and_command_line_only_when_set() -> None:
+    fm = FlashModel.from_body({**MINIMAL_T4, "spec": {**MINIMAL_T4["spec"], "engine": {"enablePrefixCaching": False}}})
+    config = engine_config(fm)
+    assert config["engine"]["enablePrefixCaching"] is False
+    assert "--no-enable-prefix-caching" in engine_args(config)
+    assert "enablePrefixCaching" not in engine_config(FlashModel.from_body(MINIMAL_T4))["engine"]
