@@ -40,7 +40,7 @@ VENV_026="${FLASHMODEL_ENGINE_VENV_026:-$CACHE/venv-engine-0.26}"
 ENGINE_026_TESTS=(tests/engine/test_engine_version.py tests/engine/test_vllm_flags.py
                   tests/engine/test_engine_vllm.py tests/engine/test_engine_lifecycle.py
                   tests/engine/test_engine_process.py tests/engine/test_engine_stop.py
-                  tests/engine/test_modelinfos.py)
+                  tests/engine/test_modelinfos.py tests/engine/test_startup_phases.py)
 ALL_TIERS=(unit control-plane engine e2e)
 
 log() { echo "test: $*" >&2; }
