@@ -1,4 +1,9 @@
-"""Status conditions (Ready, Progressing, Degraded, Autoscaling) as a pure function of what was observed."""
+"""Status conditions (Ready, Available, Progressing, Degraded, Autoscaling) as a pure function of what was observed.
+
+Ready: every desired pod serves (ready and prewarmed as the operator saw it), no roll-out under way.
+Available: at least one pod serves, the way a Deployment reports it: a scale-up or a roll-out turns
+Ready False while the model keeps answering, and Available stays True through it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 READY = "Ready"
+AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 AUTOSCALING = "Autoscaling"
@@ -104,11 +110,26 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
     else:
         msg = f"{obs.ready_replicas}/{want} pods ready"
         ready = _condition(READY, False, "ReplicasNotReady", msg, gen, before, now)
-    conditions = [ready, progressing, degraded]
+    conditions = [ready, _available(obs, before, now), progressing, degraded]
     if obs.autoscaling is not None:
         active, reason, message = obs.autoscaling
         conditions.append(_condition(AUTOSCALING, active, reason, message, gen, before, now))
     return conditions
+
+
+def _available(obs: Observation, before: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+    serving = min(obs.ready_replicas, obs.prewarmed_replicas)
+    gen = obs.generation
+    if serving >= 1:
+        return _condition(AVAILABLE, True, "MinimumReplicasAvailable", f"{serving} pods serving", gen, before, now)
+    if obs.desired_replicas == 0:
+        return _condition(AVAILABLE, False, "ScaledToZero", "spec.replicas is 0", gen, before, now)
+    if obs.problem is not None:
+        return _condition(AVAILABLE, False, obs.problem.reason, obs.problem.message, gen, before, now)
+    msg = f"no pod serves yet: {obs.ready_replicas} ready, {obs.prewarmed_replicas} prewarmed"
+    if obs.unschedulable is not None:
+        msg += f"; {obs.unschedulable}"
+    return _condition(AVAILABLE, False, "NoServingPod", msg, gen, before, now)
 
 
 def same_conditions(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:

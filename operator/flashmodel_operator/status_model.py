@@ -23,7 +23,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: str = Field(description="Ready, Progressing or Degraded.")
+    type: str = Field(description="Ready, Available, Progressing, Degraded or Autoscaling.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="CamelCase reason for the last transition.")
     message: str | None = Field(default=None, description="Human-readable detail.")
@@ -148,7 +148,10 @@ class FlashModelStatus(_Status):
         default=None,
         # One entry per type: a server-side apply of one condition merges with the others.
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Ready (the summary), Progressing and Degraded.",
+        description=(
+            "Ready (every desired pod serves), Available (at least one pod serves), Progressing, Degraded, and "
+            "Autoscaling where spec.autoscaling is set."
+        ),
     )
     pods: list[PodRecord] | None = Field(default=None, description="Per-pod prewarm results.")
     remediations: list[Remediation] | None = Field(

@@ -37,3 +37,27 @@ def test_pods_ready_but_not_seen_prewarmed_are_not_ready() -> None:
     assert "0 prewarmed by the operator" in ready["message"]
     ready = _ready(Observation(**common, prewarmed_replicas=1))  # type: ignore[arg-type]
     assert (ready["status"], ready["reason"]) == ("True", "AllReplicasReady")
+
+
+def _available(obs: Observation) -> dict[str, Any]:
+    return next(c for c in build_conditions(obs, [], "2026-01-01T00:00:00Z") if c["type"] == "Available")
+
+
+def test_a_scale_up_turns_ready_false_and_leaves_available_true() -> None:
+    scaling_up = Observation(generation=2, desired_replicas=3, replicas=3, ready_replicas=2, updated_replicas=3,
+                             prewarmed_replicas=2, deployment_generation_observed=True)
+    ready = _ready(scaling_up)
+    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
+    available = _available(scaling_up)
+    assert (available["status"], available["reason"], available["message"]) == (
+        "True", "MinimumReplicasAvailable", "2 pods serving")
+
+
+def test_no_serving_pod_is_not_available_and_says_why() -> None:
+    starting = Observation(generation=1, desired_replicas=2, replicas=2, ready_replicas=1, prewarmed_replicas=0,
+                           deployment_generation_observed=True, unschedulable="pod qwen-b: 0/4 nodes have a free T4")
+    available = _available(starting)
+    assert (available["status"], available["reason"]) == ("False", "NoServingPod")
+    assert available["message"] == "no pod serves yet: 1 ready, 0 prewarmed; pod qwen-b: 0/4 nodes have a free T4"
+    idle = _available(Observation(generation=1, desired_replicas=0))
+    assert (idle["status"], idle["reason"]) == ("False", "ScaledToZero")

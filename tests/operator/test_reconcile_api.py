@@ -103,7 +103,7 @@ def test_first_pass_creates_children_second_pass_writes_nothing(
     block = "32" if spec is CPU_SPEC else "16"
     assert status["engineArgs"][status["engineArgs"].index("--block-size") + 1] == block
     assert status["selector"] == "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=flashmodel-engine"
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Available", "Progressing", "Degraded"}
     assert all(c["observedGeneration"] == 1 for c in status["conditions"])
 
 
