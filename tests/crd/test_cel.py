@@ -487,7 +487,15 @@ def test_printer_columns_show_ready_replicas_accelerator_model(control_plane: Co
                     "message": "2 of 3 replicas ready",
                     "observedGeneration": 1,
                     "lastTransitionTime": "2026-01-01T00:00:00Z",
-                }
+                },
+                {
+                    "type": "Available",
+                    "status": "True",
+                    "reason": "MinimumReplicasAvailable",
+                    "message": "2 pods serving",
+                    "observedGeneration": 1,
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                },
             ],
         }
     }
@@ -495,8 +503,8 @@ def test_printer_columns_show_ready_replicas_accelerator_model(control_plane: Co
         "patch", "fm", "shown", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
     )
     header, row = control_plane.kubectl("get", "fm", "shown", "-n", namespace).stdout.splitlines()
-    assert header.split() == ["NAME", "READY", "REPLICAS", "ACCELERATOR", "MODEL", "AGE"]
-    assert row.split()[:5] == ["shown", "False", "2/3", "t4", "qwen"]
+    assert header.split() == ["NAME", "READY", "AVAILABLE", "REPLICAS", "ACCELERATOR", "MODEL", "AGE"]
+    assert row.split()[:6] == ["shown", "False", "True", "2/3", "t4", "qwen"]
 
 
 def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane, namespace: str) -> None:
