@@ -72,8 +72,7 @@ def test_the_slo_and_the_operator_job_come_from_values() -> None:
     assert all(r["labels"]["team"] == "ml" for r in by_name.values() if "alert" in r)
 
 
-def test_a_prometheus_rule_where_the_crd_is_served_and_none_where_it_is_not() -> None:
-    assert not by_kind(render(), "PrometheusRule")
+def _rendered_with_the_prometheus_rule_crd(*args: str) -> list[dict[str, Any]]:
     out = helm(
         "template",
         "fm",
@@ -84,20 +83,14 @@ def test_a_prometheus_rule_where_the_crd_is_served_and_none_where_it_is_not() ->
         KUBE_VERSION,
         "--api-versions",
         PROMETHEUS_RULE_API,
+        *args,
     ).stdout
-    rule = one([d for d in yaml.safe_load_all(out) if d], "PrometheusRule")
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_a_prometheus_rule_where_the_crd_is_served_and_none_where_it_is_not() -> None:
+    assert not by_kind(render(), "PrometheusRule")
+    rule = one(_rendered_with_the_prometheus_rule_crd(), "PrometheusRule")
     assert rule["spec"] == rendered_rules()
-    off = helm(
-        "template",
-        "fm",
-        str(CHART),
-        "--namespace",
-        "flashmodel-system",
-        "--kube-version",
-        KUBE_VERSION,
-        "--api-versions",
-        PROMETHEUS_RULE_API,
-        "--set",
-        "alerts.prometheusRule.enabled=false",
-    ).stdout
-    assert not by_kind([d for d in yaml.safe_load_all(off) if d], "PrometheusRule")
+    off = _rendered_with_the_prometheus_rule_crd("--set", "alerts.prometheusRule.enabled=false")
+    assert not by_kind(off, "PrometheusRule")
