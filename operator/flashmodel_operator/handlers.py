@@ -67,11 +67,7 @@ async def watch_engine_pod(namespace: str, name: str, body: dict[str, Any], stop
     await watch.run(stopped)
 
 
-async def release_finalizer(namespace: str, name: str, finalizer: str, index: int) -> bool:
-    return await asyncio.to_thread(cluster().remove_finalizer, "v1", "Pod", namespace, name, finalizer, index)
-
-
-ENGINE_PODS = EnginePodTasks(watch_engine_pod, release_finalizer, backoff=HANDLER_BACKOFF_SECONDS, grace=5.0)
+ENGINE_PODS = EnginePodTasks(watch_engine_pod, backoff=HANDLER_BACKOFF_SECONDS, grace=5.0)
 """Every engine pod's watch task, started and stopped by the pods' watch events (no kopf daemon: no finalizer)."""
 
 
@@ -113,8 +109,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kopf_objects.setLevel(logging.WARNING)
     settings.persistence.diffbase_storage = HANDLED_SPECS
     settings.persistence.progress_storage = UnmarkedProgressStorage(prefix=GROUP)
-    # What an older operator's pod daemons left on engine pods, which the pod watches remove.
-    ENGINE_PODS.finalizer = settings.persistence.finalizer
     # A socket per engine pod's kept-alive shim connection: a 1,000-pod fleet must not hit the
     # usual soft limit of 1,024 open files (the hard limit is the node's to set).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
