@@ -194,6 +194,17 @@ class ChildCache:
                 for key in [k for k in entries if k not in models]:
                     del entries[key]
 
+    def models(self) -> set[ModelKey]:
+        """Every model the cache holds anything of."""
+        with self._lock:
+            return {
+                key
+                for entries in (
+                    self._deployments, self._deployment_seen, self._deployment_deleted, self._pods, self._spec_matched
+                )
+                for key in entries
+            }
+
     # -- the passes' reads -------------------------------------------------------------------------
 
     @property

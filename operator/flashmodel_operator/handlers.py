@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
+from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap, pod_state
 from flashmodel_operator.apply import Cluster, namespace_terminating, transient
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.diffbase import HandledSpecs, UnmarkedProgressStorage
@@ -33,6 +33,7 @@ from flashmodel_operator.reconcile import (
     model_lock,
     reconcile,
     referenced_secrets,
+    retain_models,
 )
 from flashmodel_operator.settings import current
 from flashmodel_operator.tracing import traced
@@ -182,7 +183,8 @@ def _reconcile_latest(
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         try:
-            outcome = traced(functools.partial(reconcile, watched=CHILDREN, child_event=child_event))(cluster(), body)
+            one_pass = functools.partial(reconcile, watched=CHILDREN, child_event=child_event)
+            outcome = traced(one_pass)(cluster(), body)
         except ApiException as exc:
             if namespace_terminating(exc):
                 # The namespace is being deleted with the model in it; retrying would only repeat the 403.
@@ -304,23 +306,33 @@ def on_flashmodel_change(namespace: str | None, name: str, body: kopf.Body, reas
     _reconcile_latest(namespace, name, copy.deepcopy(dict(body)) if first else None)
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def on_flashmodel_deleted(namespace: str | None, name: str, **_: Any) -> None:
-    # optional: no finalizer; the children go with their owner reference, only our metrics stay.
-    if namespace is not None:
-        forget_model(namespace, name)
-
-
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
     if namespace is None:
         return
     FLASHMODELS.event(type, body)
     if type == "DELETED":
-        HANDLED_SPECS.forget(body.metadata.uid or "")
-        CHILDREN.forget(namespace, name)
-        with _child_lock:
-            _child_unsure.discard((namespace, name))
+        forget_deleted_model(namespace, name, body.metadata.uid or "")
+
+
+def forget_deleted_model(namespace: str, name: str, uid: str) -> None:
+    """Everything the operator keeps of a deleted model, dropped: no finalizer is needed, since the
+    children go with their owner reference and only the operator's memory and metrics stay."""
+    HANDLED_SPECS.forget(uid)
+    CHILDREN.forget(namespace, name)
+    pod_state.forget(namespace, name)
+    forget_model(namespace, name)
+    with _child_lock:
+        _child_unsure.discard((namespace, name))
+
+
+def _retain(models: set[tuple[str, str]]) -> None:
+    """Drop what events that came after their model's deletion left behind (a child's DELETED, a late pass)."""
+    CHILDREN.retain(models)
+    pod_state.retain(models)
+    retain_models(models)
+    with _child_lock:
+        _child_unsure.intersection_update(models)
 
 
 def cached_flashmodel(namespace: str, name: str) -> dict[str, Any] | None:
@@ -337,13 +349,12 @@ async def resync_fleet(period: float) -> None:
     """
     while True:
         models = sorted(FLASHMODELS)
+        # Also when the fleet is empty (all its models deleted): what is dropped is read again if needed.
+        _retain(set(models))
         if not models:
             # At start-up the watch has not listed the models yet: look again soon, not a period later.
             await asyncio.sleep(min(period, 5.0))
             continue
-        CHILDREN.retain(set(models))
-        with _child_lock:
-            _child_unsure.intersection_update(models)  # the children's DELETED events after their model's
         for namespace, name in models:
             # The pace follows the fleet as it is now: models added during a pass come in the next.
             await asyncio.sleep(period / max(1, len(FLASHMODELS)))

@@ -8,8 +8,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +44,45 @@ log = logging.getLogger(__name__)
 RETRY_ANNOTATION = f"{GROUP}/retry"
 """Change this annotation's value to retry a model whose preflight was refused, without a spec change."""
 
-# One pass per FlashModel at a time: the timer, spec changes and child events all reconcile.
-# Reentrant: the caller takes it to read the model it passes in (model_lock), reconcile again.
-_locks: defaultdict[tuple[str, str], threading.RLock] = defaultdict(threading.RLock)
+
+
+class PassLocks:
+    """One reentrant lock per model, held by its passes and its status writes; kept only while in use.
+
+    One pass per FlashModel at a time: the resync, spec changes and child events all reconcile.
+    Reentrant: the caller takes it to read the model it passes in (model_lock), reconcile again.
+    An entry lives while someone holds or waits for it, so a deleted model leaves none behind and
+    the table's size is the number of passes in flight, not the number of models ever seen.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], tuple[threading.RLock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: tuple[str, str]) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key) or (threading.RLock(), 0)
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                users = self._locks[key][1] - 1
+                if users:
+                    self._locks[key] = (lock, users)
+                else:
+                    del self._locks[key]
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
+_locks = PassLocks()
 _failing_since: dict[tuple[str, str], float] = {}
+"""Models whose passes fail transiently, since when: Degraded only once it lasts (_still_transient)."""
 MODEL_REPLICAS = Gauge(
     "flashmodel_operator_model_replicas",
     "Pods of each FlashModel at the last pass: desired (spec.replicas, the autoscaler's count when it scales), "
@@ -58,16 +92,23 @@ MODEL_REPLICAS = Gauge(
 REPLICA_STATES = ("desired", "ready", "prewarmed", "standby")
 
 
-def model_lock(namespace: str, name: str) -> threading.RLock:
+def model_lock(namespace: str, name: str) -> contextlib.AbstractContextManager[None]:
     """The lock of the model's passes: a body read while holding it is not older than the last pass's."""
-    return _locks[(namespace, name)]
+    return _locks.hold((namespace, name))
 
 
 def forget_model(namespace: str, name: str) -> None:
-    """Drop a deleted model's series, so the fleet's dashboards show only models that exist."""
+    """Drop a deleted model's series, so the fleet's dashboards show only models that exist, and its failure clock."""
     for state in REPLICA_STATES:
         with contextlib.suppress(KeyError):  # never set: the model never got a pass
             MODEL_REPLICAS.remove(namespace, name, state)
+    _failing_since.pop((namespace, name), None)
+
+
+def retain_models(models: set[tuple[str, str]]) -> None:
+    """Drop the failure clocks of models not in `models`: a pass that failed after its model's deletion."""
+    for key in [k for k in list(_failing_since) if k not in models]:
+        _failing_since.pop(key, None)
 
 
 @dataclass
@@ -133,7 +174,7 @@ def reconcile(
     """
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    with _locks[key]:
+    with _locks.hold(key):
         try:
             outcome = _reconcile(cluster, body, watched, child_event)
         except Exception as exc:
@@ -481,7 +522,7 @@ def _reconcile_autoscaler(
 
 def write_pod_records(cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]]) -> None:
     """status.pods, for the pod watches: under the model's lock, so it never lands inside a pass."""
-    with _locks[(namespace, name)]:
+    with _locks.hold((namespace, name)):
         cluster.patch_status(namespace, name, {"pods": pods})
 
 
@@ -497,7 +538,7 @@ def record_remediation(
 
     Under the model's lock: the read and the write of the history are one step, with no pass between.
     """
-    with _locks[(namespace, name)]:
+    with _locks.hold((namespace, name)):
         latest = cluster.get_flashmodel(namespace, name) or fm
         history = [*((latest.get("status") or {}).get("remediations") or []), entry][-keep(latest) :]
         cluster.patch_status(namespace, name, {"remediations": history})

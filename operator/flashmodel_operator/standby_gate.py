@@ -19,20 +19,21 @@ from flashmodel_operator.standby import GateView, pick_standby, should_serve, sh
 
 log = logging.getLogger(__name__)
 
-_templates: dict[tuple[str, int], str] = {}
+def current_template(state: ModelState, fm: dict[str, Any]) -> str:
+    """The config hash of the pods the model's spec renders now (what reconcile calls current).
 
-
-def current_template(fm: dict[str, Any]) -> str:
-    """The config hash of the pods the model's spec renders now (what reconcile calls current)."""
+    Kept in the model's state, once per generation: standbys ask on every poll.
+    """
     meta = fm.get("metadata") or {}
     key = (str(meta.get("uid", "")), int(meta.get("generation", 0)))
-    found = _templates.get(key)
-    if found is None:
-        found = render_pod_template(FlashModel.from_body(fm))["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
-        if len(_templates) > 4096:  # deleted models' entries: a bound, not an eviction policy
-            _templates.clear()
-        _templates[key] = found
-    return str(found)
+    if state.template is None or state.template[0] != key:
+        state.template = (key, template_hash(fm))
+    return state.template[1]
+
+
+def template_hash(fm: dict[str, Any]) -> str:
+    """The config hash of the pods the model's spec renders."""
+    return str(render_pod_template(FlashModel.from_body(fm))["metadata"]["annotations"][CONFIG_HASH_ANNOTATION])
 
 
 def template_of(pod: dict[str, Any]) -> str:
@@ -63,7 +64,7 @@ async def open_or_hold(
         await ctx.set_gate(True, reason, message)
         record.standby = False
         return True
-    template = current_template(fm)
+    template = current_template(ctx.state, fm)
     async with ctx.state.lock:
         views = api_views(await _live_pods(ctx))
         me = GateView(ctx.name, record.template, serving=False)
@@ -82,7 +83,7 @@ async def serve_if_needed(ctx: PodContext, fm: dict[str, Any], spec: FlashModelS
     """A standby's poll: open its gate when fewer pods of the current spec serve than replicas."""
     if not record.standby:
         return False
-    template = current_template(fm)
+    template = current_template(ctx.state, fm)
     me = GateView(ctx.name, record.template, serving=False, standby=True)
     args = (template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
     if not should_serve(me, memory_views(ctx.state), *args):
@@ -108,7 +109,7 @@ async def stand_by_if_surplus(ctx: PodContext, fm: dict[str, Any], spec: FlashMo
     """
     if spec.standby_replicas == 0 or not record.serving:
         return False
-    template = current_template(fm)
+    template = current_template(ctx.state, fm)
     me = GateView(ctx.name, record.template, serving=True)
     args = (template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
     if not should_stand_by(me, memory_views(ctx.state), *args):
@@ -135,7 +136,7 @@ async def promote_for(ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec,
     record = ctx.state.pods.get(ctx.name)
     if spec.standby_replicas == 0 or record is None or not record.serving:
         return None  # a standby being replaced carries no traffic to hand over
-    template = current_template(fm)
+    template = current_template(ctx.state, fm)
     health = ctx.state.health.items()
     healthy = frozenset(n for n, h in health if h.readyz_failing_since is None and not h.divergence_recommended)
     async with ctx.state.lock:

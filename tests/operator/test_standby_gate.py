@@ -16,7 +16,7 @@ from flashmodel_operator.pod_context import PodContext
 from flashmodel_operator.pod_state import PROMOTED, STANDBY, PodRecord, gate_is_standby, gate_is_true, model_state
 from flashmodel_operator.remediation import PodHealth
 from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, PREWARM_GATE
-from flashmodel_operator.standby_gate import current_template, open_or_hold, promote_for, serve_if_needed
+from flashmodel_operator.standby_gate import open_or_hold, promote_for, serve_if_needed, template_hash
 
 from tests.operator.specs import MINIMAL_T4
 
@@ -72,7 +72,7 @@ def _watch(cluster: Cluster, ns: str, name: str, template: str) -> PodContext:
 
 async def test_two_standbys_deciding_at_once_promote_one() -> None:
     fm, spec = _model(replicas=1, standby=2)
-    template = current_template(fm)
+    template = template_hash(fm)
     ns = f"two-{next(_namespaces)}"
     # The serving pod is gone: both standbys see one pod missing on their polls at the same time.
     cluster = PodsCluster([_pod("s1", template, "standby"), _pod("s2", template, "standby")])
@@ -88,7 +88,7 @@ async def test_two_standbys_deciding_at_once_promote_one() -> None:
 
 async def test_a_standby_whose_model_serves_enough_reads_nothing_from_the_api() -> None:
     fm, spec = _model(replicas=1, standby=1)
-    template = current_template(fm)
+    template = template_hash(fm)
     ns = f"steady-{next(_namespaces)}"
     cluster = PodsCluster([_pod("a", template, "serving"), _pod("s", template, "standby")])
     watch = _watch(cluster, ns, "s", template)
@@ -102,7 +102,7 @@ async def test_a_standby_whose_model_serves_enough_reads_nothing_from_the_api() 
 async def test_after_an_operator_restart_the_api_not_memory_decides_a_new_pods_gate() -> None:
     # Memory is empty (no other pod's watch has run yet); the API shows the model already served.
     fm, spec = _model(replicas=1, standby=1)
-    template = current_template(fm)
+    template = template_hash(fm)
     ns = f"restart-{next(_namespaces)}"
     cluster = PodsCluster([_pod("a", template, "serving"), _pod("b", template, "none")])
     watch = _watch(cluster, ns, "b", template)
@@ -115,7 +115,7 @@ async def test_after_an_operator_restart_the_api_not_memory_decides_a_new_pods_g
 
 async def test_a_drain_promotes_a_healthy_standby_of_the_current_spec_and_learns_its_address() -> None:
     fm, spec = _model(replicas=1, standby=3)
-    template = current_template(fm)
+    template = template_hash(fm)
     ns = f"drain-{next(_namespaces)}"
     cluster = PodsCluster([
         _pod("a", template, "serving"),
