@@ -323,7 +323,7 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
 
 def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     """The engine pod: the profile's settings, the user's fields, the patch, then the enforced parts again."""
-    template, _ = _patched_template(fm)
+    template, _ = render_pod(fm)
     return template
 
 
@@ -333,11 +333,16 @@ def pod_template_problems(fm: FlashModel) -> list[str]:
     The rendered pod holds the enforced parts whatever these say; the reconcile refuses such a spec
     so that the user learns it, instead of running something other than what they wrote.
     """
-    _, problems = _patched_template(fm)
+    _, problems = render_pod(fm)
     return problems
 
 
-def _patched_template(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
+def render_pod(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
+    """The engine pod (render_pod_template) and its problems (pod_template_problems), from one render.
+
+    A reconcile pass wants both, and the Deployment built from the same template (render_children's
+    `template`): each render costs a YAML dump and a hash of the engine config.
+    """
     base = _base_pod_template(fm)
     problems = _spec_problems(fm)
     if not fm.spec.pod_template_patch:
@@ -370,8 +375,13 @@ def _spec_problems(fm: FlashModel) -> list[str]:
     return problems
 
 
-def render_deployment(fm: FlashModel, replicas: int | None = None) -> dict[str, Any]:
-    """The engine Deployment; `replicas` overrides the spec (the operator holds 0 after a preflight refusal)."""
+def render_deployment(
+    fm: FlashModel, replicas: int | None = None, template: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The engine Deployment; `replicas` overrides the spec (the operator holds 0 after a preflight refusal).
+
+    `template`: the model's render_pod_template where the caller has it already.
+    """
     spec = fm.spec
     startup = spec.health.startup_timeout_seconds + (spec.prewarm.timeout_seconds if spec.prewarm.enabled else 0)
     serving = spec.replicas if replicas is None else replicas
@@ -389,7 +399,7 @@ def render_deployment(fm: FlashModel, replicas: int | None = None) -> dict[str, 
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": standby}},
             "progressDeadlineSeconds": startup + 120,
             "revisionHistoryLimit": 3,
-            "template": render_pod_template(fm),
+            "template": render_pod_template(fm) if template is None else template,
         },
     }
 
@@ -452,9 +462,11 @@ def render_autoscaler(fm: FlashModel, prometheus: str) -> dict[str, Any] | None:
     return render_hpa(fm, _metadata(fm, fm.name))
 
 
-def render_children(fm: FlashModel, replicas: int | None = None, prometheus: str = "") -> list[dict[str, Any]]:
-    """Every child, in apply order (the ConfigMap before the pods that mount it)."""
-    children = [render_configmap(fm), render_deployment(fm, replicas), render_service(fm)]
+def render_children(
+    fm: FlashModel, replicas: int | None = None, prometheus: str = "", template: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Every child, in apply order (the ConfigMap before the pods that mount it); `template` as render_deployment's."""
+    children = [render_configmap(fm), render_deployment(fm, replicas, template), render_service(fm)]
     if needs_pdb(fm):
         children.append(render_pdb(fm))
     autoscaler = render_autoscaler(fm, prometheus)

@@ -199,8 +199,9 @@ async def test_a_thousand_models_created_and_deleted_leave_every_per_model_table
                 await _delete(api, name, i)
         assert await asyncio.to_thread(handlers.drain_child_passes, 30.0)
         assert api.dropped > 100
-        # The late events' leftovers go at the resync's next look (0.2 s with an empty fleet).
-        for _ in range(100):
+        # The late events' leftovers go at the resync's next look at the fleet: 0.2 s once the fleet is
+        # empty, after it has walked the list it took before the last deletions (0.2 s a model).
+        for _ in range(400):
             if _tables() == EMPTY:
                 break
             await asyncio.sleep(0.1)
