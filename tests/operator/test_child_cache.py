@@ -136,6 +136,23 @@ def _new_model(api: InMemoryAPI) -> tuple[str, str]:
     return ns, name
 
 
+def test_a_pass_renders_the_engine_pod_once(api: InMemoryAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pass wants the pod's config hash, its problems and the Deployment's template: one render.
+    from flashmodel_operator import render
+
+    rendered: list[str] = []
+    base = render._base_pod_template
+
+    def counted(fm: Any) -> dict[str, Any]:
+        rendered.append(fm.name)
+        return base(fm)
+
+    monkeypatch.setattr(render, "_base_pod_template", counted)
+    _, name = _new_model(api)
+    assert "PATCH deployments" in api.requests
+    assert rendered == [name]
+
+
 def _deployment_path(ns: str, name: str) -> str:
     return f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"
 
