@@ -23,7 +23,7 @@ from flashmodel_engine.contract import (
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
-from flashmodel_operator.placement import pod_profile
+from flashmodel_operator.placement import PodProfile, pod_profile
 
 PRE_STOP_SLEEP_SECONDS = 5
 """Endpoint removal reaches kube-proxy and load balancers within a few seconds."""
@@ -196,17 +196,27 @@ def _model_volume(fm: FlashModel) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
     """The engine pod before the patch: the profile's settings, then the user's fields."""
-    spec = fm.spec
-    profile = pod_profile(spec.accelerator)
-    health = spec.health
+    profile = pod_profile(fm.spec.accelerator)
+    volumes, mounts = _volumes(fm, profile)
+    container = _engine_container(fm, _engine_env(fm, profile), _engine_resources(fm, profile), mounts)
+    config_hash = content_hash({CONFIG_KEY: engine_config_yaml(fm)})
+    return {
+        "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+        "spec": _pod_spec(fm, profile, container, volumes),
+    }
 
-    resources: dict[str, Any] = copy.deepcopy(spec.resources)
+
+def _engine_resources(fm: FlashModel, profile: PodProfile) -> dict[str, Any]:
+    resources: dict[str, Any] = copy.deepcopy(fm.spec.resources)
     for resource, amount in profile.limits.items():
         # The profile's count wins (a pod with nvidia.com/gpu: 0 ran on a T4 node with no GPU);
         # extended resources must have requests equal to limits.
         resources.setdefault("limits", {})[resource] = amount
         resources.setdefault("requests", {})[resource] = amount
+    return resources
 
+
+def _engine_env(fm: FlashModel, profile: PodProfile) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -220,13 +230,17 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
     ]
     env += [{"name": k, "value": v} for k, v in sorted(profile.env.items())]
-    hub = spec.model.hub
+    hub = fm.spec.model.hub
     if hub is not None and hub.token_secret_ref is not None:
         # From the Secret at container start: the token is never in the pod spec, the engine
         # ConfigMap or status, and a user reading the Deployment does not see it.
         token = hub.token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    return env
 
+
+def _volumes(fm: FlashModel, profile: PodProfile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the engine container's mounts of them."""
     model_volumes, model_mounts = _model_volume(fm)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": f"{fm.name}-engine"}},
@@ -244,22 +258,29 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         {"name": "tmp", "mountPath": "/tmp"},
         *model_mounts,
     ]
+    hub = fm.spec.model.hub
     if hub is not None and hub.cache is not None:
         # Mounted over HF_HOME inside the emptyDir: downloads land on the shared claim, and the next
         # pod (on any node) finds the files there instead of fetching them again. The compile caches
         # stay per pod, since they hold kernels built for this pod's GPU and software.
         volumes.append({"name": HUB_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": hub.cache.pvc.claim_name}})
         mounts.append({"name": HUB_CACHE_VOLUME, "mountPath": HF_HOME})
-    if spec.auth is not None:
-        ref = spec.auth.api_key_secret_ref
+    if fm.spec.auth is not None:
+        ref = fm.spec.auth.api_key_secret_ref
         volumes.append(
             {"name": "auth", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
         )
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    return volumes, mounts
 
-    container: dict[str, Any] = {
+
+def _engine_container(
+    fm: FlashModel, env: list[dict[str, Any]], resources: dict[str, Any], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    health = fm.spec.health
+    return {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": fm.spec.engine.image,
         "command": ["python", "-m", "flashmodel_engine", "launch", "--config", CONFIG_FILE],
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
@@ -285,6 +306,11 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         },
     }
 
+
+def _pod_spec(
+    fm: FlashModel, profile: PodProfile, container: dict[str, Any], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    spec = fm.spec
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -313,12 +339,7 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         pod_spec["tolerations"] = tolerations
     if spec.affinity:
         pod_spec["affinity"] = copy.deepcopy(spec.affinity)
-
-    config_hash = content_hash({CONFIG_KEY: engine_config_yaml(fm)})
-    return {
-        "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
-        "spec": pod_spec,
-    }
+    return pod_spec
 
 
 def render_pod_template(fm: FlashModel) -> dict[str, Any]:
