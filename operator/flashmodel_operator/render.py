@@ -633,8 +633,18 @@ def _dict(obj: dict[str, Any], key: str) -> dict[str, Any]:
 
 def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     """Put the enforced parts of `base` back into `patched` (in place); one line per part the patch changed."""
+    problems = _enforce_metadata(base, patched)
+    spec = patched.setdefault("spec", {})
+    problems += _enforce_engine(base["spec"]["containers"][0], spec)
+    problems += _enforce_pod_spec(base["spec"], spec)
+    return problems
+
+
+_WHERE = "spec.podTemplatePatch"
+
+
+def _enforce_metadata(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     problems: list[str] = []
-    where = "spec.podTemplatePatch"
     meta = patched.setdefault("metadata", {})
     for field in ("labels", "annotations"):
         values = meta.get(field) if isinstance(meta.get(field), dict) else None
@@ -642,81 +652,106 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
             values = meta[field] = {}
         for key, value in base["metadata"][field].items():
             if values.get(key) != value:
-                problems.append(f"{where} changes the pod {field[:-1]} {key}, which the operator selects and rolls "
+                problems.append(f"{_WHERE} changes the pod {field[:-1]} {key}, which the operator selects and rolls "
                                 "pods by; remove it from the patch")
                 values[key] = value
+    return problems
 
-    spec = patched.setdefault("spec", {})
-    base_spec = base["spec"]
+
+def _enforce_engine(base_engine: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """The engine container: there, with the enforced fields, ports, mounts, hub env and GPU resources."""
+    problems: list[str] = []
     containers = spec.get("containers") if isinstance(spec.get("containers"), list) else None
     if containers is None:
         containers = spec["containers"] = []
-    base_engine = base_spec["containers"][0]
     engine = next((c for c in containers if isinstance(c, dict) and c.get("name") == base_engine["name"]), None)
     if engine is None:
-        problems.append(f"{where} removes the engine container; remove that from the patch")
+        problems.append(f"{_WHERE} removes the engine container; remove that from the patch")
         engine = copy.deepcopy(base_engine)
         containers.insert(0, engine)
     for field, why in _ENFORCED_CONTAINER_FIELDS.items():
         if engine.get(field) != base_engine.get(field):
-            problems.append(f"{where} changes the engine container's {field}: {why}; remove it from the patch")
+            problems.append(f"{_WHERE} changes the engine container's {field}: {why}; remove it from the patch")
             if field in base_engine:
                 engine[field] = copy.deepcopy(base_engine[field])
             else:
                 engine.pop(field, None)
+    for part in (_enforce_ports, _enforce_mounts, _enforce_hub_env, _enforce_gpu_resources):
+        problems += part(base_engine, engine)
+    return problems
 
+
+def _enforce_ports(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     ports = _list(engine, "ports")
     for port in base_engine["ports"]:
         same = [p for p in ports if isinstance(p, dict) and (p.get("containerPort") == port["containerPort"]
                                                                or p.get("name") == port["name"])]
         if same != [port]:
-            problems.append(f"{where} changes the engine container's port {port['name']} ({port['containerPort']}): "
+            problems.append(f"{_WHERE} changes the engine container's port {port['name']} ({port['containerPort']}): "
                             "the Service and the operator reach the engine and the shim there; "
                             "remove it from the patch")
             ports = [p for p in ports if p not in same]
             ports.append(copy.deepcopy(port))
     engine["ports"] = sorted(ports, key=lambda p: (p not in base_engine["ports"], str(p.get("containerPort"))))
+    return problems
 
+
+def _enforce_mounts(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     mounts = _list(engine, "volumeMounts")
     paths = [m.get("mountPath") for m in mounts if isinstance(m, dict)]
     for path in sorted({p for p in paths if paths.count(p) > 1}, key=str):
-        problems.append(f"{where} mounts two volumes at {path}; keep one")
+        problems.append(f"{_WHERE} mounts two volumes at {path}; keep one")
     for mount in base_engine["volumeMounts"]:
         at = [m for m in mounts if isinstance(m, dict) and m.get("mountPath") == mount["mountPath"]]
         if at != [mount]:
-            problems.append(f"{where} changes the engine container's mount at {mount['mountPath']} "
+            problems.append(f"{_WHERE} changes the engine container's mount at {mount['mountPath']} "
                             f"(volume {mount['name']}), which the engine reads; remove it from the patch")
             mounts = [m for m in mounts if m not in at]
             mounts.append(copy.deepcopy(mount))
     engine["volumeMounts"] = mounts
+    return problems
 
+
+def _enforce_hub_env(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     env = [e for e in _list(engine, "env") if isinstance(e, dict)]
     base_env = {e["name"]: e for e in base_engine["env"] if e["name"] in _HUB_ENV}
     for name, instead in _HUB_ENV.items():
         given = [e for e in env if e.get("name") == name]
         want = [base_env[name]] if name in base_env else []
         if given != want:
-            problems.append(f"{where} changes the engine container's env {name}, which picks the hub token or cache; "
+            problems.append(f"{_WHERE} changes the engine container's env {name}, which picks the hub token or cache; "
                             f"{instead}, and remove it from the patch")
             env = [e for e in env if e.get("name") != name] + copy.deepcopy(want)
     engine["env"] = env
+    return problems
 
+
+def _enforce_gpu_resources(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     resources = _dict(engine, "resources")
     for part in ("limits", "requests"):
         for resource, amount in (base_engine["resources"].get(part) or {}).items():
             if resource.startswith("nvidia.com/") and str((resources.get(part) or {}).get(resource)) != str(amount):
-                problems.append(f"{where} changes the engine container's {part}[{resource}]: the profile runs each "
+                problems.append(f"{_WHERE} changes the engine container's {part}[{resource}]: the profile runs each "
                                 f"engine on exactly {amount}; remove it from the patch")
                 resources.setdefault(part, {})[resource] = amount
     engine["resources"] = resources
+    return problems
 
+
+def _enforce_pod_spec(base_spec: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """The pod's read volumes, its readiness gate, and the profile's GPU node selector and tolerations."""
+    problems: list[str] = []
     volumes = _list(spec, "volumes")
     for volume in base_spec["volumes"]:
         if volume["name"] not in _READ_VOLUMES:
             continue
         same = [v for v in volumes if isinstance(v, dict) and v.get("name") == volume["name"]]
         if same != [volume]:
-            problems.append(f"{where} changes the volume {volume['name']}, which the engine reads; "
+            problems.append(f"{_WHERE} changes the volume {volume['name']}, which the engine reads; "
                             "remove it from the patch")
             volumes = [v for v in volumes if v not in same]
             volumes.append(copy.deepcopy(volume))
@@ -725,7 +760,7 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     gates = _list(spec, "readinessGates")
     for gate in base_spec["readinessGates"]:
         if gate not in gates:
-            problems.append(f"{where} drops the readiness gate {gate['conditionType']}: a pod takes traffic only "
+            problems.append(f"{_WHERE} drops the readiness gate {gate['conditionType']}: a pod takes traffic only "
                             "after its prewarm; remove it from the patch")
             gates = [*gates, gate]
     spec["readinessGates"] = gates
@@ -733,7 +768,7 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     selector = _dict(spec, "nodeSelector")
     for key, value in (base_spec.get("nodeSelector") or {}).items():
         if selector.get(key) != value and key.startswith("nvidia.com/"):
-            problems.append(f"{where} changes nodeSelector[{key}]: the profile runs only where it is {value!r}; "
+            problems.append(f"{_WHERE} changes nodeSelector[{key}]: the profile runs only where it is {value!r}; "
                             "remove it from the patch")
             selector[key] = value
     if selector:
