@@ -114,6 +114,9 @@ class ChildCache:
     `retain` for events that came after it), so the memory follows the fleet. The bodies handed
     out are shared: read them, never change them. Thread-safe: kopf's event handlers and the
     passes run in its pool.
+
+    Not a kopf index, for WatchedModels' reasons: the passes' own reads go in too, and the passes
+    that read it run in the operator's threads, not as kopf handlers.
     """
 
     def __init__(self) -> None:

@@ -224,12 +224,8 @@ class PodWatch:
             self.clocks.restarts_seen = restarts
         elif restarts > self.clocks.restarts_seen:
             # The kubelet restarted the engine container: it is cold, so off traffic until warm.
-            msg = f"engine container restarted ({self.clocks.restarts_seen} -> {restarts} restarts)"
-            await ctx.set_gate(False, "EngineRestarted", msg)
-            await ctx.api(ctx.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
-            ctx.state.pods[ctx.name].prewarmed = False
+            await self._rearm(pod, f"engine container restarted ({self.clocks.restarts_seen} -> {restarts} restarts)")
             self.clocks.restarts_seen = None
-            await ctx.write_pods_status()
             return 0.5
         # One request for the readiness result and the metrics values (two on an engine from before
         # the health poll). Liveness only matters once generation fails (hung = alive but not
@@ -249,12 +245,8 @@ class PodWatch:
             elif metrics.generation != self.clocks.generation_seen:
                 # vLLM restarted inside the pod: cold again, so no traffic until it is warm again.
                 seen = self.clocks.generation_seen
-                msg = f"engine restarted in the pod (generation {seen:g} -> {metrics.generation:g})"
-                await ctx.set_gate(False, "EngineRestarted", msg)
-                await ctx.api(ctx.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
-                ctx.state.pods[ctx.name].prewarmed = False
+                await self._rearm(pod, f"engine restarted in the pod (generation {seen:g} -> {metrics.generation:g})")
                 self.clocks.generation_seen = None
-                await ctx.write_pods_status()
                 return 0.5
             divergent = metrics.divergence_recommended
             self.clocks.divergent_since = (self.clocks.divergent_since or now) if divergent else None
@@ -296,6 +288,14 @@ class PodWatch:
             # The same answer at once: the shim held no poll (its limit of held polls was reached), so
             # this pod is polled every monitor_seconds, asking again to be held each time.
         return poll_delay(time.monotonic(), deadlines)
+
+    async def _rearm(self, pod: dict[str, Any], msg: str) -> None:
+        """The engine restarted: it is cold, so its gate closes until a prewarm opens it again."""
+        ctx = self.context
+        await ctx.set_gate(False, "EngineRestarted", msg)
+        await ctx.api(ctx.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
+        ctx.state.pods[ctx.name].prewarmed = False
+        await ctx.write_pods_status()
 
 
 def model_of(labels: dict[str, str]) -> str | None:
