@@ -87,8 +87,10 @@ def retain(models: set[tuple[str, str]]) -> None:
     Only idle ones: a model's pods can be watched before the model's own watch lists it (start-up),
     and two entries for one model would split its one-eviction-at-a-time budget.
     """
-    for key in [k for k, state in MODELS.items() if k not in models and state.idle]:
-        del MODELS[key]
+    # A snapshot: the passes' threads add entries (model_state) while the event loop runs this.
+    for key, state in list(MODELS.items()):
+        if key not in models and state.idle:
+            MODELS.pop(key, None)
 
 
 PROMOTED = "Promoted"

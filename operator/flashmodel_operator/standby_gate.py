@@ -19,6 +19,7 @@ from flashmodel_operator.standby import GateView, pick_standby, should_serve, sh
 
 log = logging.getLogger(__name__)
 
+
 def current_template(state: ModelState, fm: dict[str, Any]) -> str:
     """The config hash of the pods the model's spec renders now (what reconcile calls current).
 
