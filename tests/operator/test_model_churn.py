@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, cast
 
 import kopf
 import pytest
+import yaml
 from flashmodel_operator import handlers, pod_state, reconcile
+from flashmodel_operator.apply import Cluster
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.diffbase import HandledSpecs
 from flashmodel_operator.pod_tasks import EnginePodTasks
 from flashmodel_operator.render import MODEL_LABEL
 from flashmodel_operator.watched_models import WatchedModels
 
+from e2e.harness.cluster import ControlPlane
 from tests.operator.specs import MINIMAL_T4
 from tests.operator.test_child_cache import InMemoryAPI
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MODELS = 1000
 NAMESPACE = "churn"
@@ -75,49 +82,6 @@ def _pod(model: str, uid: str) -> dict[str, Any]:
         # Waiting for a node: its watch waits on the live body and asks the API nothing.
         "status": {"phase": "Pending"},
     }
-
-
-def _tables() -> dict[str, object]:
-    """Every table the operator keeps per model, as what it holds of this test's models."""
-    ours = {(NAMESPACE, f"m{i}") for i in range(MODELS)}
-    with handlers._child_lock:
-        child_sets = {
-            name: ours & getattr(handlers, name) for name in ("_child_queued", "_child_running", "_child_again")
-        }
-        child_sets["_child_unsure"] = ours & handlers._child_unsure
-    replica_series = [
-        sample.labels
-        for metric in reconcile.MODEL_REPLICAS.collect()
-        for sample in metric.samples
-        if sample.labels.get("namespace") == NAMESPACE
-    ]
-    return {
-        "pod_state.MODELS": ours & set(pod_state.MODELS),
-        "reconcile pass locks": len(reconcile._locks),
-        "reconcile failure clocks": ours & set(reconcile._failing_since),
-        "HANDLED_SPECS": len(handlers.HANDLED_SPECS),
-        "CHILDREN": ours & handlers.CHILDREN.models(),
-        "FLASHMODELS": ours & set(handlers.FLASHMODELS),
-        "ENGINE_PODS": len(handlers.ENGINE_PODS),
-        "replica gauges": replica_series,
-        **child_sets,
-    }
-
-
-EMPTY = {
-    "pod_state.MODELS": set(),
-    "reconcile pass locks": 0,
-    "reconcile failure clocks": set(),
-    "HANDLED_SPECS": 0,
-    "CHILDREN": set(),
-    "FLASHMODELS": set(),
-    "ENGINE_PODS": 0,
-    "replica gauges": [],
-    "_child_queued": set(),
-    "_child_running": set(),
-    "_child_again": set(),
-    "_child_unsure": set(),
-}
 
 
 async def _create(api: DroppingAPI, name: str, index: int) -> None:
@@ -181,7 +145,8 @@ async def test_a_thousand_models_created_and_deleted_leave_every_per_model_table
     monkeypatch.setattr(handlers, "CHILDREN", ChildCache())
     monkeypatch.setattr(handlers, "HANDLED_SPECS", HandledSpecs(prefix="serving.flashmodel.io", key="handled"))
     monkeypatch.setattr(handlers, "ENGINE_PODS", EnginePodTasks(handlers.watch_engine_pod, backoff=0.05, grace=0.5))
-    assert _tables() == EMPTY, "the test's namespace is in use"
+    ours = {(NAMESPACE, f"m{i}") for i in range(MODELS)}
+    assert not any(_held_of(ours).values()), "the test's namespace is in use"
     # The resync runs all along: passes of its own, and the clean-up of what events after a deletion left.
     resync = asyncio.create_task(handlers.resync_fleet(0.2))
     try:
@@ -194,18 +159,126 @@ async def test_a_thousand_models_created_and_deleted_leave_every_per_model_table
             assert len(handlers.ENGINE_PODS) == batch
             assert {(NAMESPACE, n) for n, _ in names} <= set(pod_state.MODELS)  # the tables did fill
             assert len(handlers.HANDLED_SPECS) == batch
-            assert _tables()["replica gauges"]
+            assert _held_of(ours)["replica gauges"]
             for name, i in names:
                 await _delete(api, name, i)
         assert await asyncio.to_thread(handlers.drain_child_passes, 30.0)
         assert api.dropped > 100
         # The late events' leftovers go at the resync's next look at the fleet: 0.2 s once the fleet is
         # empty, after it has walked the list it took before the last deletions (0.2 s a model).
+        left: dict[str, object] = {}
         for _ in range(400):
-            if _tables() == EMPTY:
+            left = _held_of(ours)
+            if not any(left.values()):
                 break
             await asyncio.sleep(0.1)
     finally:
         resync.cancel()
         await handlers.ENGINE_PODS.stop_all()
-    assert _tables() == EMPTY
+    assert not any(left.values()), left
+
+
+API_MODELS = 20
+
+
+def _kubectl_json(cp: ControlPlane, *args: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = json.loads(cp.kubectl("get", *args, "-o", "json").stdout)["items"]
+    return items
+
+
+async def test_models_created_and_deleted_on_a_real_api_server_leave_every_per_model_table_empty(
+    control_plane: ControlPlane, k8s_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same churn against the real API server, whose garbage collector deletes the children."""
+    ns, cp = k8s_namespace, control_plane
+    cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
+    cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+    api = cp.api_client()
+    models = WatchedModels()
+    monkeypatch.setattr(handlers, "_cluster", Cluster(api, models=models))
+    monkeypatch.setattr(handlers, "FLASHMODELS", models)
+    monkeypatch.setattr(handlers, "CHILDREN", ChildCache())
+    monkeypatch.setattr(handlers, "HANDLED_SPECS", HandledSpecs(prefix="serving.flashmodel.io", key="handled"))
+    monkeypatch.setattr(handlers, "ENGINE_PODS", EnginePodTasks(handlers.watch_engine_pod, backoff=0.05, grace=0.5))
+    names = {(ns, f"m{i}") for i in range(API_MODELS)}
+    # No node has this label: the pods stay Pending, so their watches wait and ask nothing of a shim.
+    spec = {**MINIMAL_T4["spec"], "nodeSelector": {"churn.example/pool": "none"}}
+    docs = [
+        {"apiVersion": MINIMAL_T4["apiVersion"], "kind": "FlashModel", "metadata": {"name": n}, "spec": spec}
+        for _, n in sorted(names)
+    ]
+    resync = asyncio.create_task(handlers.resync_fleet(0.2))
+    try:
+        cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
+        remember = cast(Callable[..., Coroutine[Any, Any, None]], handlers.remember_flashmodel)
+        change = cast(Callable[..., None], handlers.on_flashmodel_change)
+        bodies = _kubectl_json(cp, "flashmodels", "-n", ns)
+        for body in bodies:
+            name = body["metadata"]["name"]
+            await remember(body=_body(body), namespace=ns, name=name, type="ADDED")
+            await asyncio.to_thread(change, namespace=ns, name=name, body=_body(body), reason="create", retry=0)
+        for deployment in _kubectl_json(cp, "deployments", "-n", ns):
+            on_deployment = cast(Callable[..., None], handlers.on_deployment_event)
+            on_deployment(body=_body(deployment), namespace=ns, type="ADDED")
+        for _ in range(100):  # the Deployment controller makes the pods
+            pods = _kubectl_json(cp, "pods", "-n", ns)
+            if len(pods) >= API_MODELS:
+                break
+            await asyncio.sleep(0.2)
+        engine_pod = cast(Callable[..., Coroutine[Any, Any, None]], handlers.engine_pod)
+        on_pod = cast(Callable[..., None], handlers.on_pod_event)
+        for pod in pods:
+            await engine_pod(body=_body(pod), type="ADDED")
+            on_pod(body=_body(pod), namespace=ns, type="ADDED")
+        assert len(handlers.ENGINE_PODS) >= API_MODELS
+        assert names <= set(pod_state.MODELS) and names <= handlers.CHILDREN.models()
+
+        deployments = _kubectl_json(cp, "deployments", "-n", ns)
+        cp.kubectl("delete", "flashmodels", "--all", "-n", ns, "--wait=true")
+        for body in bodies:
+            await remember(body=_body(body), namespace=ns, name=body["metadata"]["name"], type="DELETED")
+        for _ in range(150):  # the garbage collector deletes the children after their owner
+            if not _kubectl_json(cp, "deployments", "-n", ns) and not _kubectl_json(cp, "pods", "-n", ns):
+                break
+            await asyncio.sleep(0.2)
+        for deployment in deployments:
+            on_deployment = cast(Callable[..., None], handlers.on_deployment_event)
+            on_deployment(body=_body(deployment), namespace=ns, type="DELETED")
+        for pod in pods:
+            await engine_pod(body=_body(pod), type="DELETED")
+            on_pod(body=_body(pod), namespace=ns, type="DELETED")
+        assert await asyncio.to_thread(handlers.drain_child_passes, 30.0)
+        left: dict[str, object] = {}
+        for _ in range(200):
+            left = _held_of(names)
+            if not any(left.values()):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        resync.cancel()
+        await handlers.ENGINE_PODS.stop_all()
+        api.close()  # type: ignore[no-untyped-call]
+    assert not any(left.values()), left
+
+
+def _held_of(names: set[tuple[str, str]]) -> dict[str, object]:
+    """What the per-model tables still hold of `names` (the pass locks and pod watches: how many in all)."""
+    with handlers._child_lock:
+        queued = handlers._child_queued | handlers._child_running | handlers._child_again
+        child = names & (queued | handlers._child_unsure)
+    return {
+        "pod_state.MODELS": names & set(pod_state.MODELS),
+        "reconcile pass locks": len(reconcile._locks),
+        "reconcile failure clocks": names & set(reconcile._failing_since),
+        "HANDLED_SPECS": len(handlers.HANDLED_SPECS),
+        "CHILDREN": names & handlers.CHILDREN.models(),
+        "FLASHMODELS": names & set(handlers.FLASHMODELS),
+        "ENGINE_PODS": len(handlers.ENGINE_PODS),
+        "child pass sets": child,
+        "replica gauges": [
+            s.labels
+            for m in reconcile.MODEL_REPLICAS.collect()
+            for s in m.samples
+            if (s.labels.get("namespace"), s.labels.get("flashmodel")) in names
+        ],
+    }
