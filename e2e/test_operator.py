@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from flashmodel_operator.pod_tasks import KOPF_FINALIZER
 
 from e2e.harness.autoscaling import install_keda_crds
 from e2e.harness.cluster import ControlPlane
@@ -239,7 +238,7 @@ def _force_delete_seconds(cp: ControlPlane, namespace: str, pod: str) -> float:
     return time.monotonic() - started
 
 
-def test_engine_pods_carry_no_finalizer_and_an_older_operators_is_released(
+def test_engine_pods_carry_no_finalizer(
     control_plane: ControlPlane, operator: Path, k8s_namespace: str
 ) -> None:
     ns, name = k8s_namespace, "unheld"
@@ -256,28 +255,6 @@ def test_engine_pods_carry_no_finalizer_and_an_older_operators_is_released(
     pod = get_json(control_plane, "pod", pods[0]["metadata"]["name"], "-n", ns)
     assert not pod["metadata"].get("finalizers"), pod["metadata"]["finalizers"]
     assert _force_delete_seconds(control_plane, ns, pod["metadata"]["name"]) < 10
-
-    # A pod from an operator that watched pods with kopf daemons keeps kopf's finalizer, which only
-    # this operator can now remove.
-    old = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "from-before-the-upgrade",
-            "labels": {"app.kubernetes.io/managed-by": "flashmodel-operator", "serving.flashmodel.io/model": "gone"},
-            "annotations": unattended["metadata"]["annotations"],
-            "finalizers": [KOPF_FINALIZER],
-        },
-        "spec": {"containers": [{"name": "engine", "image": "flashmodel/engine:unused"}]},
-    }
-    _apply(control_plane, ns, old)
-    wait_for(
-        "kopf's finalizer removed",
-        lambda: not get_json(control_plane, "pod", "from-before-the-upgrade", "-n", ns)["metadata"].get("finalizers"),
-        timeout=30,
-    )
-    assert _force_delete_seconds(control_plane, ns, "from-before-the-upgrade") < 10
-    assert f"event=finalizer-released pod={ns}/from-before-the-upgrade" in operator.read_text()
 
 
 def test_a_pod_pending_for_lack_of_a_t4_node_says_why_and_schedules_once_one_is_added(

@@ -339,29 +339,6 @@ class Cluster:
             content_type="application/strategic-merge-patch+json",
         )
 
-    def remove_finalizer(
-        self, api_version: str, kind: str, namespace: str, name: str, finalizer: str, index: int
-    ) -> bool:
-        """Remove one finalizer by its index, tested first: False when the object or that entry is gone.
-
-        A JSON patch with a test keeps the other finalizers (a merge patch would replace the list)
-        and cannot remove the wrong entry when the list changed since it was read.
-        """
-        path = f"/metadata/finalizers/{index}"
-        try:
-            self._call(
-                "PATCH",
-                f"{collection_path(api_version, kind, namespace)}/{name}",
-                body=[{"op": "test", "path": path, "value": finalizer}, {"op": "remove", "path": path}],
-                kind=kind,
-                content_type="application/json-patch+json",
-            )
-        except ApiException as exc:
-            if exc.status in (404, 409, 422):  # 422: the test failed, the list is not what was read
-                return False
-            raise
-        return True
-
     def evict(self, namespace: str, name: str) -> Literal["evicted", "blocked", "gone"]:
         """Evict through the Eviction API, so PodDisruptionBudgets hold; 'blocked' when a budget says no."""
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}

@@ -114,6 +114,9 @@ class ChildCache:
     `retain` for events that came after it), so the memory follows the fleet. The bodies handed
     out are shared: read them, never change them. Thread-safe: kopf's event handlers and the
     passes run in its pool.
+
+    Not a kopf index, for WatchedModels' reasons: the passes' own reads go in too, and the passes
+    that read it run in the operator's threads, not as kopf handlers.
     """
 
     def __init__(self) -> None:
@@ -193,6 +196,17 @@ class ChildCache:
             ):
                 for key in [k for k in entries if k not in models]:
                     del entries[key]
+
+    def models(self) -> set[ModelKey]:
+        """Every model the cache holds anything of."""
+        with self._lock:
+            return {
+                key
+                for entries in (
+                    self._deployments, self._deployment_seen, self._deployment_deleted, self._pods, self._spec_matched
+                )
+                for key in entries
+            }
 
     # -- the passes' reads -------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from flashmodel_engine.contract import SHIM_PORT
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from flashmodel_operator.apply import Cluster, transient
 from flashmodel_operator.eviction import decide, remediate
 from flashmodel_operator.model import FlashModelSpec
-from flashmodel_operator.model_status import write_pods
+from flashmodel_operator.pod_context import PodClocks, PodContext
 from flashmodel_operator.pod_state import (
     PodRecord,
     container_restarts,
@@ -27,14 +27,12 @@ from flashmodel_operator.pod_state import (
 )
 from flashmodel_operator.prewarm_gate import prewarm
 from flashmodel_operator.remediation import CONFIRM_SECONDS, PodHealth
-from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE, control_secret_name
+from flashmodel_operator.render import CONTROL_TOKEN_KEY, MODEL_LABEL, control_secret_name
 from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient, ShimConnection, ShimReading
 from flashmodel_operator.standby_gate import serve_if_needed, stand_by_if_surplus, template_of
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 FlashModelLookup = Callable[[str, str], "dict[str, Any] | None"]
 """(namespace, name) -> the FlashModel as the operator's watch last saw it, or None when it has not."""
@@ -89,39 +87,23 @@ class PodWatch:
         live_body: Mapping[str, Any] | None = None,
         flashmodels: FlashModelLookup | None = None,
     ) -> None:
-        self.cluster = cluster
+        self.context = PodContext(cluster, namespace, name, model, model_state(namespace, model))
+        """What the steps (prewarm, the standby gate, eviction) get: the pod, its model's memory, the API."""
+        self.clocks = PodClocks()
         self.live_body = live_body
         """kopf's live view of the pod (updated from the watch stream), so waiting costs no API reads."""
         self.flashmodels = flashmodels
         """The operator's watch of FlashModels: a warm pod's poll reads its model from memory, not the API."""
-        self.gate_written: bool | None = None
-        """The gate value this watch last wrote; the live view may not show it yet."""
         self._spec: tuple[tuple[str, int], FlashModelSpec] | None = None
         self.shim_port = SHIM_PORT
         self.connection: ShimConnection | None = None
         """The kept-alive connection of this pod's polls (its IP is fixed for the pod's life)."""
         self.session = session
-        self.namespace = namespace
-        self.name = name
-        self.model = model
-        self.state = model_state(namespace, model)
-        self.generation_seen: float | None = None
-        self.attempts = 0
-        self.divergent_since: float | None = None
-        self.readyz_failing_since: float | None = None
-        self.restarts_seen: int | None = None
         self.held_state: str | None = None
         """The state of a steady pod's last health poll answer: its next poll waits in the shim for a change."""
-        self.prewarm_failure: str | None = None
-        """Set once every prewarm attempt failed: the pod waits for its turn to be replaced."""
-        self.template = ""
-        """The pod's config hash (which spec it runs), from its annotation."""
-
-    async def api(self, fn: Callable[..., T], *args: Any) -> T:
-        # The API client is synchronous; keep the event loop free for the other pods.
-        return await asyncio.to_thread(fn, *args)
 
     async def run(self, stopped: Any) -> None:
+        ctx = self.context
         failures = 0
         try:
             while not stopped:
@@ -136,9 +118,9 @@ class PodWatch:
                     delay = min(current().monitor_seconds, 0.5 * 2 ** min(failures, 4))
                     log.warning(
                         "event=pod-watch-retry model=%s/%s pod=%s failures=%d error=%s",
-                        self.namespace,
-                        self.model,
-                        self.name,
+                        ctx.namespace,
+                        ctx.model,
+                        ctx.name,
                         failures,
                         type(exc).__name__,
                     )
@@ -150,15 +132,16 @@ class PodWatch:
         finally:
             if self.connection is not None:
                 self.connection.close()
-            async with self.state.lock:
-                self.state.pods.pop(self.name, None)
-                self.state.health.pop(self.name, None)
-                if self.state.in_flight == self.name:
-                    self.state.in_flight = None
-            await self.write_pods_status()
+            async with ctx.state.lock:
+                ctx.state.pods.pop(ctx.name, None)
+                ctx.state.health.pop(ctx.name, None)
+                if ctx.state.in_flight == ctx.name:
+                    ctx.state.in_flight = None
+            await ctx.write_pods_status()
 
     async def step(self) -> float | None:
         """One look at the pod; the seconds until the next, or None when the watch is over."""
+        ctx = self.context
         pod: dict[str, Any] | None = None
         if self.live_body is not None:
             # A Pending pod (no GPU node free, image pulling) can wait for hours; reading it from
@@ -166,8 +149,8 @@ class PodWatch:
             seen = self.live_body.get("status") or {}
             if seen.get("phase") != "Running" or not seen.get("podIP"):
                 return 1.0
-            steady = gate_is_true(self.live_body) and self.gate_written is not False
-            waiting = gate_is_standby(self.live_body) and self.gate_written is not True
+            steady = gate_is_true(self.live_body) and ctx.gate_written is not False
+            waiting = gate_is_standby(self.live_body) and ctx.gate_written is not True
             if steady or waiting:
                 # A warm pod, polled for as long as it lives: the watch stream's view is current
                 # enough for its health, and a read per poll would cost 1,000 pods up to 200 pod
@@ -175,45 +158,45 @@ class PodWatch:
                 # reads the pod fresh below.
                 pod = dict(self.live_body)
         if pod is None:
-            pod = await self.api(self.cluster.get, "v1", "Pod", self.namespace, self.name)
+            pod = await ctx.api(ctx.cluster.get, "v1", "Pod", ctx.namespace, ctx.name)
         if pod is None or pod["metadata"].get("deletionTimestamp"):
             return None
         status = pod.get("status") or {}
         ip = status.get("podIP")
         if not ip or status.get("phase") != "Running":
             return 1.0
-        fm = self.flashmodels(self.namespace, self.model) if self.flashmodels is not None else None
+        fm = self.flashmodels(ctx.namespace, ctx.model) if self.flashmodels is not None else None
         if fm is None:
-            fm = await self.api(self.cluster.get_flashmodel, self.namespace, self.model)
+            fm = await ctx.api(ctx.cluster.get_flashmodel, ctx.namespace, ctx.model)
         if fm is None:
             return None
         spec = self.spec_of(fm)
         if spec is None:
             return current().monitor_seconds  # the reconcile reports the spec problem
-        if self.state.control_token is None:
+        if ctx.state.control_token is None:
             # The Secret is made before the Deployment and lives as long as the model: read it once.
-            self.state.control_token = await self.api(
-                self.cluster.secret_value, self.namespace, control_secret_name(self.model), CONTROL_TOKEN_KEY
+            ctx.state.control_token = await ctx.api(
+                ctx.cluster.secret_value, ctx.namespace, control_secret_name(ctx.model), CONTROL_TOKEN_KEY
             )
         if self.connection is None or self.connection.host != ip:
             self.connection = ShimConnection(ip, self.shim_port)
         shim = ShimClient(
-            self.session, ip, port=self.shim_port, token=self.state.control_token, connection=self.connection
+            self.session, ip, port=self.shim_port, token=ctx.state.control_token, connection=self.connection
         )
-        self.template = template_of(pod)
-        if gate_is_standby(pod) and self.state.in_flight != self.name:
+        ctx.template = template_of(pod)
+        if gate_is_standby(pod) and ctx.state.in_flight != ctx.name:
             # Prewarmed and held out of the Service: watched like a serving pod, and promoted when needed.
-            self.state.pods.setdefault(self.name, PodRecord(prewarmed=True, standby=True))
+            ctx.state.pods.setdefault(ctx.name, PodRecord(prewarmed=True, standby=True))
             delay = await self.watch_health(pod, fm, spec, shim)
-            record = self.state.pods.get(self.name)
-            if delay is not None and record is not None and await serve_if_needed(self, fm, spec, record):
+            record = ctx.state.pods.get(ctx.name)
+            if delay is not None and record is not None and await serve_if_needed(ctx, fm, spec, record):
                 return 0.5
             return delay
         if not gate_is_true(pod):
-            return await prewarm(self, pod, fm, spec, shim)
+            return await prewarm(ctx, self.clocks, pod, fm, spec, shim)
         delay = await self.watch_health(pod, fm, spec, shim)
-        record = self.state.pods.get(self.name)
-        if delay is not None and record is not None and await stand_by_if_surplus(self, fm, spec, record):
+        record = ctx.state.pods.get(ctx.name)
+        if delay is not None and record is not None and await stand_by_if_surplus(ctx, fm, spec, record):
             return 0.5
         return delay
 
@@ -233,19 +216,16 @@ class PodWatch:
     async def watch_health(
         self, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
     ) -> float | None:
-        record = self.state.pods.setdefault(self.name, PodRecord(prewarmed=True))
-        record.template = self.template
+        ctx = self.context
+        record = ctx.state.pods.setdefault(ctx.name, PodRecord(prewarmed=True))
+        record.template = ctx.template
         restarts = container_restarts(pod)
-        if self.restarts_seen is None:
-            self.restarts_seen = restarts
-        elif restarts > self.restarts_seen:
+        if self.clocks.restarts_seen is None:
+            self.clocks.restarts_seen = restarts
+        elif restarts > self.clocks.restarts_seen:
             # The kubelet restarted the engine container: it is cold, so off traffic until warm.
-            msg = f"engine container restarted ({self.restarts_seen} -> {restarts} restarts)"
-            await self.set_gate(False, "EngineRestarted", msg)
-            await self.api(self.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
-            self.state.pods[self.name].prewarmed = False
-            self.restarts_seen = None
-            await self.write_pods_status()
+            await self._rearm(pod, f"engine container restarted ({self.clocks.restarts_seen} -> {restarts} restarts)")
+            self.clocks.restarts_seen = None
             return 0.5
         # One request for the readiness result and the metrics values (two on an engine from before
         # the health poll). Liveness only matters once generation fails (hung = alive but not
@@ -260,48 +240,46 @@ class PodWatch:
         # when the answer shows it, or its threshold would be counted from before the fault.
         now = time.monotonic()
         if metrics is not None:
-            if self.generation_seen is None:
-                self.generation_seen = metrics.generation
-            elif metrics.generation != self.generation_seen:
+            if self.clocks.generation_seen is None:
+                self.clocks.generation_seen = metrics.generation
+            elif metrics.generation != self.clocks.generation_seen:
                 # vLLM restarted inside the pod: cold again, so no traffic until it is warm again.
-                msg = f"engine restarted in the pod (generation {self.generation_seen:g} -> {metrics.generation:g})"
-                await self.set_gate(False, "EngineRestarted", msg)
-                await self.api(self.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
-                self.state.pods[self.name].prewarmed = False
-                self.generation_seen = None
-                await self.write_pods_status()
+                seen = self.clocks.generation_seen
+                await self._rearm(pod, f"engine restarted in the pod (generation {seen:g} -> {metrics.generation:g})")
+                self.clocks.generation_seen = None
                 return 0.5
-            self.divergent_since = (self.divergent_since or now) if metrics.divergence_recommended else None
-        self.readyz_failing_since = None if ready else (self.readyz_failing_since or now)
+            divergent = metrics.divergence_recommended
+            self.clocks.divergent_since = (self.clocks.divergent_since or now) if divergent else None
+        self.clocks.readyz_failing_since = None if ready else (self.clocks.readyz_failing_since or now)
         health = PodHealth(
-            name=self.name,
+            name=ctx.name,
             prewarmed=True,
             livez_ok=live,
             divergence_recommended=bool(metrics and metrics.divergence_recommended),
             divergence_ratio=metrics.divergence_ratio if metrics else 0.0,
-            divergent_since=self.divergent_since,
-            readyz_failing_since=self.readyz_failing_since,
+            divergent_since=self.clocks.divergent_since,
+            readyz_failing_since=self.clocks.readyz_failing_since,
             endpoint_ready=pod_is_ready(pod),
             standby=record.standby,
         )
-        async with self.state.lock:
-            self.state.health[self.name] = health
-            decision = await decide(self, fm, spec, now)
+        async with ctx.state.lock:
+            ctx.state.health[ctx.name] = health
+            decision = await decide(ctx, fm, spec, now)
             if decision is not None and decision.action == "evict":
-                self.state.in_flight = decision.pod
+                ctx.state.in_flight = decision.pod
         if decision is not None and decision.action == "evict":
             # Each pod's own watch drains and evicts it, so the work stops with the pod.
-            if decision.pod == self.name:
-                await remediate(self, fm, shim, decision)
+            if decision.pod == ctx.name:
+                await remediate(ctx, fm, spec, shim, decision)
                 return None
-            async with self.state.lock:
-                if self.state.in_flight == decision.pod:
-                    self.state.in_flight = None  # its own watch picks it up on its next step
+            async with ctx.state.lock:
+                if ctx.state.in_flight == decision.pod:
+                    ctx.state.in_flight = None  # its own watch picks it up on its next step
         deadlines = []
-        if self.readyz_failing_since is not None and live:
-            deadlines.append(self.readyz_failing_since + spec.remediation.hung_readiness_seconds)
-        if self.divergent_since is not None:
-            deadlines.append(self.divergent_since + CONFIRM_SECONDS)
+        if self.clocks.readyz_failing_since is not None and live:
+            deadlines.append(self.clocks.readyz_failing_since + spec.remediation.hung_readiness_seconds)
+        if self.clocks.divergent_since is not None:
+            deadlines.append(self.clocks.divergent_since + CONFIRM_SECONDS)
         if not deadlines and holds_polls(ready, metrics, pod, spec):
             assert metrics is not None
             self.held_state = metrics.state
@@ -311,12 +289,13 @@ class PodWatch:
             # this pod is polled every monitor_seconds, asking again to be held each time.
         return poll_delay(time.monotonic(), deadlines)
 
-    async def set_gate(self, value: bool, reason: str, message: str) -> None:
-        await self.api(self.cluster.set_pod_condition, self.namespace, self.name, PREWARM_GATE, value, reason, message)
-        self.gate_written = value
-
-    async def write_pods_status(self) -> None:
-        await write_pods(self.cluster, self.namespace, self.model, self.state)
+    async def _rearm(self, pod: dict[str, Any], msg: str) -> None:
+        """The engine restarted: it is cold, so its gate closes until a prewarm opens it again."""
+        ctx = self.context
+        await ctx.set_gate(False, "EngineRestarted", msg)
+        await ctx.api(ctx.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
+        ctx.state.pods[ctx.name].prewarmed = False
+        await ctx.write_pods_status()
 
 
 def model_of(labels: dict[str, str]) -> str | None:

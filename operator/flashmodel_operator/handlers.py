@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap
+from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap, pod_state
 from flashmodel_operator.apply import Cluster, namespace_terminating, transient
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.diffbase import HandledSpecs, UnmarkedProgressStorage
@@ -33,6 +33,7 @@ from flashmodel_operator.reconcile import (
     model_lock,
     reconcile,
     referenced_secrets,
+    retain_models,
 )
 from flashmodel_operator.settings import current
 from flashmodel_operator.tracing import traced
@@ -67,11 +68,7 @@ async def watch_engine_pod(namespace: str, name: str, body: dict[str, Any], stop
     await watch.run(stopped)
 
 
-async def release_finalizer(namespace: str, name: str, finalizer: str, index: int) -> bool:
-    return await asyncio.to_thread(cluster().remove_finalizer, "v1", "Pod", namespace, name, finalizer, index)
-
-
-ENGINE_PODS = EnginePodTasks(watch_engine_pod, release_finalizer, backoff=HANDLER_BACKOFF_SECONDS, grace=5.0)
+ENGINE_PODS = EnginePodTasks(watch_engine_pod, backoff=HANDLER_BACKOFF_SECONDS, grace=5.0)
 """Every engine pod's watch task, started and stopped by the pods' watch events (no kopf daemon: no finalizer)."""
 
 
@@ -113,8 +110,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kopf_objects.setLevel(logging.WARNING)
     settings.persistence.diffbase_storage = HANDLED_SPECS
     settings.persistence.progress_storage = UnmarkedProgressStorage(prefix=GROUP)
-    # What an older operator's pod daemons left on engine pods, which the pod watches remove.
-    ENGINE_PODS.finalizer = settings.persistence.finalizer
     # A socket per engine pod's kept-alive shim connection: a 1,000-pod fleet must not hit the
     # usual soft limit of 1,024 open files (the hard limit is the node's to set).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -188,7 +183,8 @@ def _reconcile_latest(
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         try:
-            outcome = traced(functools.partial(reconcile, watched=CHILDREN, child_event=child_event))(cluster(), body)
+            one_pass = functools.partial(reconcile, watched=CHILDREN, child_event=child_event)
+            outcome = traced(one_pass)(cluster(), body)
         except ApiException as exc:
             if namespace_terminating(exc):
                 # The namespace is being deleted with the model in it; retrying would only repeat the 403.
@@ -310,23 +306,33 @@ def on_flashmodel_change(namespace: str | None, name: str, body: kopf.Body, reas
     _reconcile_latest(namespace, name, copy.deepcopy(dict(body)) if first else None)
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def on_flashmodel_deleted(namespace: str | None, name: str, **_: Any) -> None:
-    # optional: no finalizer; the children go with their owner reference, only our metrics stay.
-    if namespace is not None:
-        forget_model(namespace, name)
-
-
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
     if namespace is None:
         return
     FLASHMODELS.event(type, body)
     if type == "DELETED":
-        HANDLED_SPECS.forget(body.metadata.uid or "")
-        CHILDREN.forget(namespace, name)
-        with _child_lock:
-            _child_unsure.discard((namespace, name))
+        forget_deleted_model(namespace, name, body.metadata.uid or "")
+
+
+def forget_deleted_model(namespace: str, name: str, uid: str) -> None:
+    """Everything the operator keeps of a deleted model, dropped: no finalizer is needed, since the
+    children go with their owner reference and only the operator's memory and metrics stay."""
+    HANDLED_SPECS.forget(uid)
+    CHILDREN.forget(namespace, name)
+    pod_state.forget(namespace, name)
+    forget_model(namespace, name)
+    with _child_lock:
+        _child_unsure.discard((namespace, name))
+
+
+def _retain(models: set[tuple[str, str]]) -> None:
+    """Drop what events that came after their model's deletion left behind (a child's DELETED, a late pass)."""
+    CHILDREN.retain(models)
+    pod_state.retain(models)
+    retain_models(models)
+    with _child_lock:
+        _child_unsure.intersection_update(models)
 
 
 def cached_flashmodel(namespace: str, name: str) -> dict[str, Any] | None:
@@ -343,13 +349,12 @@ async def resync_fleet(period: float) -> None:
     """
     while True:
         models = sorted(FLASHMODELS)
+        # Also when the fleet is empty (all its models deleted): what is dropped is read again if needed.
+        _retain(set(models))
         if not models:
             # At start-up the watch has not listed the models yet: look again soon, not a period later.
             await asyncio.sleep(min(period, 5.0))
             continue
-        CHILDREN.retain(set(models))
-        with _child_lock:
-            _child_unsure.intersection_update(models)  # the children's DELETED events after their model's
         for namespace, name in models:
             # The pace follows the fleet as it is now: models added during a pass come in the next.
             await asyncio.sleep(period / max(1, len(FLASHMODELS)))

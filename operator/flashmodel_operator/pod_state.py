@@ -59,13 +59,38 @@ class ModelState:
     written: list[dict[str, Any]] | None = None
     control_token: str | None = None
     """The model's `<name>-shim` token, which the shims require on POST /prewarm."""
+    template: tuple[tuple[str, int], str] | None = None
+    """((uid, generation), config hash) of the pods the model's spec renders now: a poll must not render it."""
+
+    @property
+    def idle(self) -> bool:
+        """No pod watch holds anything here: nothing is lost when a deleted model's entry goes."""
+        return not self.pods and not self.health and self.in_flight is None and not self.lock.locked()
 
 
 MODELS: dict[tuple[str, str], ModelState] = {}
+"""The one table of every model's pod memory: made on a model's first use, dropped with the model (forget)."""
 
 
 def model_state(namespace: str, model: str) -> ModelState:
     return MODELS.setdefault((namespace, model), ModelState())
+
+
+def forget(namespace: str, model: str) -> None:
+    """The model is deleted. Its pods' watches that still run keep their reference until they end."""
+    MODELS.pop((namespace, model), None)
+
+
+def retain(models: set[tuple[str, str]]) -> None:
+    """Drop the idle entries of models not in `models`: one a late pod watch made after its model's deletion.
+
+    Only idle ones: a model's pods can be watched before the model's own watch lists it (start-up),
+    and two entries for one model would split its one-eviction-at-a-time budget.
+    """
+    # A snapshot: the passes' threads add entries (model_state) while the event loop runs this.
+    for key, state in list(MODELS.items()):
+        if key not in models and state.idle:
+            MODELS.pop(key, None)
 
 
 PROMOTED = "Promoted"

@@ -18,9 +18,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-KOPF_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
-"""kopf's default finalizer (settings.persistence.finalizer), which its daemons put on every engine pod."""
-
 PodKey = tuple[str, str]
 """(namespace, pod name)."""
 
@@ -57,11 +54,6 @@ class StopRequest:
 WatchPod = Callable[[str, str, dict[str, Any], StopRequest], Awaitable[None]]
 """(namespace, pod name, live body, stop request) -> the watch of one pod, returning when it is over."""
 
-ReleaseFinalizer = Callable[[str, str, str, int], Awaitable[bool]]
-"""(namespace, pod name, finalizer, its index) -> removes that finalizer; False when the pod or the
-finalizer at that index is no longer there."""
-
-
 @dataclass
 class PodTask:
     """One pod's watch: its uid, its task, the live body the watch reads, and the stop it tests."""
@@ -79,24 +71,17 @@ class EnginePodTasks:
     def __init__(
         self,
         watch: WatchPod,
-        release_finalizer: ReleaseFinalizer,
         *,
         backoff: float,
         grace: float = 5.0,
-        finalizer: str = KOPF_FINALIZER,
     ) -> None:
         self.watch = watch
-        self.release_finalizer = release_finalizer
         self.backoff = backoff
         """Seconds before a watch that failed is started again (while its pod lives)."""
         self.grace = grace
         """Seconds a stopped watch has to end on its own (it finishes a step, writes status) before it is cancelled."""
-        self.finalizer = finalizer
-        """The finalizer an older operator's kopf daemons left on pods; removed when seen."""
         self._pods: dict[PodKey, PodTask] = {}
         self._stopping: set[asyncio.Task[None]] = set()
-        self._released: set[str] = set()
-        """Pod uids whose finalizer removal was sent: the events before its own arrives still show it."""
 
     def __len__(self) -> int:
         return len(self._pods)
@@ -117,13 +102,9 @@ class EnginePodTasks:
             entry.body.clear()
             entry.body.update(live_view(body))
         going = event_type == "DELETED" or bool(meta.get("deletionTimestamp"))
-        if event_type != "DELETED":
-            await self._release_old_finalizer(namespace, name, uid, meta.get("finalizers") or [])
         if going:
             if entry is not None and entry.uid == uid:
                 self._stop(key)
-            if event_type == "DELETED":
-                self._released.discard(uid)
             return
         if entry is not None and entry.uid == uid:
             return  # its watch runs (or ended for good: a pod it evicted, a model gone)
@@ -174,30 +155,6 @@ class EnginePodTasks:
             if await entry.stop.wait(self.backoff):
                 return
 
-    async def _release_old_finalizer(self, namespace: str, name: str, uid: str, finalizers: list[str]) -> None:
-        if self.finalizer not in finalizers or uid in self._released:
-            return
-        self._released.add(uid)
-        index = finalizers.index(self.finalizer)
-        try:
-            released = await self.release_finalizer(namespace, name, self.finalizer, index)
-        except Exception as exc:
-            self._released.discard(uid)  # the pod's next event tries again
-            log.warning(
-                "event=finalizer-release-failed pod=%s/%s finalizer=%s error=%s: %s",
-                namespace,
-                name,
-                self.finalizer,
-                type(exc).__name__,
-                exc,
-            )
-            return
-        if released:
-            # A pod from an operator that watched pods with kopf daemons: nobody else would remove it.
-            log.info("event=finalizer-released pod=%s/%s finalizer=%s", namespace, name, self.finalizer)
-        else:
-            self._released.discard(uid)  # the list changed under us: the next event shows the new one
-
     async def stop_all(self) -> None:
         """Operator shutdown: every watch cancelled (each still runs its `finally`) and awaited."""
         tasks = [e.task for e in self._pods.values() if e.task is not None] + list(self._stopping)
@@ -209,4 +166,4 @@ class EnginePodTasks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["KOPF_FINALIZER", "EnginePodTasks", "PodTask", "StopRequest", "live_view"]
+__all__ = ["EnginePodTasks", "PodTask", "StopRequest", "live_view"]

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import Counter
 
 from flashmodel_operator.eviction import decide, evict_and_record
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.model_status import now_iso
+from flashmodel_operator.pod_context import PodClocks, PodContext
 from flashmodel_operator.pod_state import PodRecord, container_restarts
 from flashmodel_operator.remediation import PodHealth
 from flashmodel_operator.settings import current
 from flashmodel_operator.shim_client import ShimClient
 from flashmodel_operator.standby_gate import open_or_hold
-
-if TYPE_CHECKING:
-    from flashmodel_operator.gating import PodWatch
 
 log = logging.getLogger(__name__)
 
@@ -31,102 +29,103 @@ for _result in ("succeeded", "failed"):
 
 
 async def prewarm(
-    watch: PodWatch, pod: dict[str, Any], fm: dict[str, Any], spec: FlashModelSpec, shim: ShimClient
+    ctx: PodContext,
+    clocks: PodClocks,
+    pod: dict[str, Any],
+    fm: dict[str, Any],
+    spec: FlashModelSpec,
+    shim: ShimClient,
 ) -> float | None:
     """One prewarm attempt on a pod whose gate is closed; the seconds until the next look, or None when replaced."""
-    if watch.state.in_flight == watch.name:
+    if ctx.state.in_flight == ctx.name:
         return current().monitor_seconds  # being drained: the gate stays off
     if not await shim.started():
         return 2.0  # still loading; the startup probe owns the deadline
-    record = watch.state.pods.setdefault(watch.name, PodRecord())
-    record.template = watch.template
+    record = ctx.state.pods.setdefault(ctx.name, PodRecord())
+    record.template = ctx.template
     if not spec.prewarm.enabled:
         record.prewarmed, record.reason = True, "PrewarmDisabled"
-        await watch.write_pods_status()
-        await open_or_hold(watch, fm, spec, record, "PrewarmDisabled", "spec.prewarm.enabled is false")
-        await watch.write_pods_status()
+        await ctx.write_pods_status()
+        await open_or_hold(ctx, fm, spec, record, "PrewarmDisabled", "spec.prewarm.enabled is false")
+        await ctx.write_pods_status()
         return current().monitor_seconds
-    if watch.prewarm_failure is not None:
-        return await replace_unprewarmed(watch, fm, spec)
+    if clocks.prewarm_failure is not None:
+        return await replace_unprewarmed(ctx, clocks.prewarm_failure, fm, spec)
     started = time.monotonic()
     result = await shim.prewarm(spec.prewarm.requests, spec.prewarm.prompts, spec.prewarm.timeout_seconds)
     if result.get("ok"):
         PREWARMS.labels(result="succeeded").inc()
         cold, warm = float(result.get("coldTTFTMs", 0.0)), float(result.get("warmTTFTMs", 0.0))
         metrics = await shim.metrics()
-        watch.generation_seen = metrics.generation if metrics else None
-        watch.restarts_seen = container_restarts(pod)
-        watch.attempts = 0
-        watch.divergent_since = watch.readyz_failing_since = None
+        clocks.prewarmed(metrics.generation if metrics else None, container_restarts(pod))
         msg = f"{result.get('requests')} warm-up requests, cold TTFT {cold:.0f} ms, warm TTFT {warm:.0f} ms"
         record.prewarmed, record.reason = True, None
         record.cold_ttft_ms, record.warm_ttft_ms = round(cold, 1), round(warm, 1)
         record.last_prewarm_time = now_iso()
         # status.pods says the pod is prewarmed before its gate opens: the status's prewarmedReplicas
         # counts open gates, so a reader never sees more prewarmed replicas than prewarmed entries.
-        await watch.write_pods_status()
-        serves = await open_or_hold(watch, fm, spec, record, "PrewarmSucceeded", msg)
+        await ctx.write_pods_status()
+        serves = await open_or_hold(ctx, fm, spec, record, "PrewarmSucceeded", msg)
         if not serves:
             msg += "; held out of the Service as a standby"
-        await watch.api(watch.cluster.event, pod, "Normal", "Prewarmed", msg)
+        await ctx.api(ctx.cluster.event, pod, "Normal", "Prewarmed", msg)
         log.info(
             "event=prewarmed model=%s/%s pod=%s cold_ms=%.1f warm_ms=%.1f seconds=%.1f standby=%s",
-            watch.namespace,
-            watch.model,
-            watch.name,
+            ctx.namespace,
+            ctx.model,
+            ctx.name,
             cold,
             warm,
             time.monotonic() - started,
             not serves,
         )
-        await watch.write_pods_status()
+        await ctx.write_pods_status()
         return current().monitor_seconds
     PREWARMS.labels(result="failed").inc()
     if result.get("status") == 401:
         # A model deleted and made again under its name has a new token: read it again.
-        watch.state.control_token = None
-    watch.attempts += 1
+        ctx.state.control_token = None
+    clocks.attempts += 1
     record.prewarm_failures += 1
     record.reason = "PrewarmFailed"
     error = str(result.get("error") or "no reason given")
-    msg = f"prewarm attempt {watch.attempts}/{PREWARM_ATTEMPTS} failed: {error}"
-    await watch.api(watch.cluster.event, pod, "Warning", "PrewarmFailed", msg)
+    msg = f"prewarm attempt {clocks.attempts}/{PREWARM_ATTEMPTS} failed: {error}"
+    await ctx.api(ctx.cluster.event, pod, "Warning", "PrewarmFailed", msg)
     log.warning(
         "event=prewarm-failed model=%s/%s pod=%s attempt=%d error=%r",
-        watch.namespace,
-        watch.model,
-        watch.name,
-        watch.attempts,
+        ctx.namespace,
+        ctx.model,
+        ctx.name,
+        clocks.attempts,
         error,
     )
-    await watch.write_pods_status()
-    if watch.attempts >= PREWARM_ATTEMPTS:
-        watch.prewarm_failure = f"{watch.attempts} failed prewarms: {error}"
-        return await replace_unprewarmed(watch, fm, spec)
-    return float(PREWARM_BACKOFF_SECONDS * 2 ** (watch.attempts - 1))
+    await ctx.write_pods_status()
+    if clocks.attempts >= PREWARM_ATTEMPTS:
+        clocks.prewarm_failure = f"{clocks.attempts} failed prewarms: {error}"
+        return await replace_unprewarmed(ctx, clocks.prewarm_failure, fm, spec)
+    return float(PREWARM_BACKOFF_SECONDS * 2 ** (clocks.attempts - 1))
 
 
-async def replace_unprewarmed(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec) -> float | None:
+async def replace_unprewarmed(ctx: PodContext, failure: str, fm: dict[str, Any], spec: FlashModelSpec) -> float | None:
     """Ask for this never-prewarmed pod's eviction on the one path with the budget, back-off and one at a time."""
-    assert watch.prewarm_failure is not None
     health = PodHealth(
-        name=watch.name,
+        name=ctx.name,
         prewarmed=False,
         livez_ok=False,
         divergence_recommended=False,
         divergence_ratio=0.0,
         divergent_since=None,
         readyz_failing_since=None,
-        prewarm_failure=watch.prewarm_failure,
+        prewarm_failure=failure,
     )
-    async with watch.state.lock:
-        watch.state.health[watch.name] = health
-        decision = await decide(watch, fm, spec, time.monotonic())
+    async with ctx.state.lock:
+        ctx.state.health[ctx.name] = health
+        decision = await decide(ctx, fm, spec, time.monotonic())
         if decision is not None and decision.action == "evict":
-            watch.state.in_flight = decision.pod
+            ctx.state.in_flight = decision.pod
     if decision is None or decision.action != "evict":
         return current().monitor_seconds  # held (the event says why); asked again on the next look
-    replaced = f"pod {watch.name} replaced after {decision.message}"
-    await watch.api(watch.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
-    await evict_and_record(watch, fm, decision)
+    replaced = f"pod {ctx.name} replaced after {decision.message}"
+    await ctx.api(ctx.cluster.event, fm, "Warning", "PrewarmFailed", replaced)
+    await evict_and_record(ctx, fm, decision)
     return None

@@ -8,8 +8,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +29,10 @@ from flashmodel_operator.render import (
     control_secret_name,
     engine_config,
     needs_pdb,
-    pod_template_problems,
     render_autoscaler,
     render_children,
     render_control_secret,
-    render_pod_template,
+    render_pod,
     selector_string,
     standby_count,
 )
@@ -45,10 +43,45 @@ log = logging.getLogger(__name__)
 RETRY_ANNOTATION = f"{GROUP}/retry"
 """Change this annotation's value to retry a model whose preflight was refused, without a spec change."""
 
-# One pass per FlashModel at a time: the timer, spec changes and child events all reconcile.
-# Reentrant: the caller takes it to read the model it passes in (model_lock), reconcile again.
-_locks: defaultdict[tuple[str, str], threading.RLock] = defaultdict(threading.RLock)
+
+
+class PassLocks:
+    """One reentrant lock per model, held by its passes and its status writes; kept only while in use.
+
+    One pass per FlashModel at a time: the resync, spec changes and child events all reconcile.
+    Reentrant: the caller takes it to read the model it passes in (model_lock), reconcile again.
+    An entry lives while someone holds or waits for it, so a deleted model leaves none behind and
+    the table's size is the number of passes in flight, not the number of models ever seen.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], tuple[threading.RLock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: tuple[str, str]) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key) or (threading.RLock(), 0)
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                users = self._locks[key][1] - 1
+                if users:
+                    self._locks[key] = (lock, users)
+                else:
+                    del self._locks[key]
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
+_locks = PassLocks()
 _failing_since: dict[tuple[str, str], float] = {}
+"""Models whose passes fail transiently, since when: Degraded only once it lasts (_still_transient)."""
 MODEL_REPLICAS = Gauge(
     "flashmodel_operator_model_replicas",
     "Pods of each FlashModel at the last pass: desired (spec.replicas, the autoscaler's count when it scales), "
@@ -58,16 +91,23 @@ MODEL_REPLICAS = Gauge(
 REPLICA_STATES = ("desired", "ready", "prewarmed", "standby")
 
 
-def model_lock(namespace: str, name: str) -> threading.RLock:
+def model_lock(namespace: str, name: str) -> contextlib.AbstractContextManager[None]:
     """The lock of the model's passes: a body read while holding it is not older than the last pass's."""
-    return _locks[(namespace, name)]
+    return _locks.hold((namespace, name))
 
 
 def forget_model(namespace: str, name: str) -> None:
-    """Drop a deleted model's series, so the fleet's dashboards show only models that exist."""
+    """Drop a deleted model's series, so the fleet's dashboards show only models that exist, and its failure clock."""
     for state in REPLICA_STATES:
         with contextlib.suppress(KeyError):  # never set: the model never got a pass
             MODEL_REPLICAS.remove(namespace, name, state)
+    _failing_since.pop((namespace, name), None)
+
+
+def retain_models(models: set[tuple[str, str]]) -> None:
+    """Drop the failure clocks of models not in `models`: a pass that failed after its model's deletion."""
+    for key in [k for k in list(_failing_since) if k not in models]:
+        _failing_since.pop(key, None)
 
 
 @dataclass
@@ -133,7 +173,7 @@ def reconcile(
     """
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    with _locks[key]:
+    with _locks.hold(key):
         try:
             outcome = _reconcile(cluster, body, watched, child_event)
         except Exception as exc:
@@ -152,42 +192,85 @@ def _still_transient(exc: Exception, key: tuple[str, str]) -> bool:
     return time.monotonic() - since < current().transient_grace_seconds
 
 
+@dataclass(frozen=True)
+class Parsed:
+    """A spec the pass can act on: the model, its engine's command line and its pod, rendered once."""
+
+    fm: FlashModel
+    args: list[str]
+    template: dict[str, Any]
+
+    @property
+    def template_hash(self) -> str:
+        return str(self.template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION])
+
+
+@dataclass
+class Plan:
+    """What one pass will write, decided from the model and what the pass read; nothing written yet."""
+
+    parsed: Parsed
+    reads: PassReads
+    pods: list[dict[str, Any]]
+    first_pass: bool
+    """The model was never reconciled: no children and no pods of its own yet."""
+    from_watch: bool
+    """The pass reads the pods and the Deployment from the watch and applies only the Deployment."""
+    held: bool
+    """Held at 0 replicas for a refused preflight."""
+    refusal: tuple[str, str] | None
+    """(pod, message) of a preflight refusal this pass found: news, told once."""
+    problem: Problem | None
+    children: list[dict[str, Any]]
+    control_token: str | None
+    """The token of the control Secret to make, where it is missing."""
+    new_status: dict[str, Any]
+
+
 def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | None, child_event: bool) -> Outcome:
     outcome = Outcome()
-    meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    generation = int(meta.get("generation", 1))
-    status: dict[str, Any] = dict(body.get("status") or {})
+    generation = int(body["metadata"].get("generation", 1))
     new_status: dict[str, Any] = {"observedGeneration": generation}
+    parsed = _parse(body)
+    if isinstance(parsed, Problem):
+        outcome.problem = parsed
+        _write_status(cluster, body, new_status, Observation(generation, 0, problem=parsed), outcome)
+        return outcome
+    plan = _plan(cluster, body, parsed, new_status, watched, child_event)
+    _execute(cluster, body, plan, outcome)
+    return outcome
 
-    problem: Problem | None = None
-    fm: FlashModel | None = None
+
+def _parse(body: dict[str, Any]) -> Parsed | Problem:
+    """The model, its engine's arguments and its pod; or the problem that stops the pass before any request."""
     try:
         fm = FlashModel.from_body(body)
     except ValidationError as exc:
-        problem = Problem("SpecInvalid", f"the spec cannot be used: {exc.errors()[0]['msg']}")
+        return Problem("SpecInvalid", f"the spec cannot be used: {exc.errors()[0]['msg']}")
+    try:
+        args = engine_args(engine_config(fm))
+    except ValueError as exc:
+        # The schema caught what it could; this is what only the profile logic sees.
+        return Problem("EngineConfigRefused", str(exc))
+    template, pod_problems = render_pod(fm)
+    if pod_problems:
+        # The render puts the enforced parts back anyway; refusing tells the user their patch is not what runs.
+        return Problem("PodTemplateRefused", "; ".join(pod_problems))
+    return Parsed(fm, args, template)
 
-    args: list[str] | None = None
-    if fm is not None:
-        try:
-            args = engine_args(engine_config(fm))
-        except ValueError as exc:
-            # The schema caught what it could; this is what only the profile logic sees.
-            problem = Problem("EngineConfigRefused", str(exc))
-    if fm is not None and args is not None:
-        pod_problems = pod_template_problems(fm)
-        if pod_problems:
-            # The render puts the enforced parts back anyway; refusing tells the user their patch is not what runs.
-            problem = Problem("PodTemplateRefused", "; ".join(pod_problems))
-            args = None
 
-    if fm is None or args is None:
-        assert problem is not None
-        outcome.problem = problem
-        _write_status(cluster, body, new_status, Observation(generation, 0, problem=problem), outcome)
-        return outcome
-
-    template_hash = render_pod_template(fm)["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+def _plan(
+    cluster: Cluster,
+    body: dict[str, Any],
+    parsed: Parsed,
+    new_status: dict[str, Any],
+    watched: ChildCache | None,
+    child_event: bool,
+) -> Plan:
+    """Read what the pass needs (pods, Secrets) and decide what it writes."""
+    fm = parsed.fm
+    ns, name = fm.namespace, fm.name
+    status: dict[str, Any] = dict(body.get("status") or {})
     # A model never reconciled has no children and no pods of its own yet: its first pass writes
     # without reading first, which brings its Deployment (and so its first pod) several requests
     # sooner. Its children's events start the next passes, which read them.
@@ -197,13 +280,52 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     # children nobody watches (ConfigMap, Service, PDB) and the control Secret's existence are left
     # to the model's own events and to the resync, which read everything from the API, as do a new
     # generation's passes (its ConfigMap must change with its Deployment).
-    from_watch = child_event and status.get("observedGeneration") == generation
+    from_watch = child_event and status.get("observedGeneration") == new_status["observedGeneration"]
     reads = PassReads(cluster, watched, ns, name, from_watch)
     pods = [] if first_pass else reads.pods(selector_string(fm))
+    held, refusal, problem = _preflight_hold(body, status, pods, parsed.template_hash, new_status)
+    secret_missing, secret_problem = _missing_secret(cluster, fm)
+    # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
+    control_missing = first_pass or (
+        not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
+    )
+    # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
+    rendered = render_children(fm, replicas=0 if held else None, template=parsed.template)
+    children = [c for c in rendered if c["kind"] not in _AUTOSCALER_API]
+    if from_watch:
+        children = [c for c in children if c["kind"] == "Deployment"]
+    if secret_missing:
+        # A pod without its key would serve without authentication or crash-loop on the missing mount,
+        # and one without its hub token would fail its download; the Secret's arrival triggers a pass
+        # within seconds (handlers.wait_for_secret).
+        children = [c for c in children if c["kind"] != "Deployment"]
+    return Plan(
+        parsed=parsed,
+        reads=reads,
+        pods=pods,
+        first_pass=first_pass,
+        from_watch=from_watch,
+        held=held,
+        refusal=refusal,
+        problem=problem or secret_problem,
+        children=children,
+        control_token=secrets.token_urlsafe(32) if control_missing else None,
+        new_status=new_status,
+    )
 
-    # A refused preflight cannot succeed on retry: hold the Deployment at 0 for this spec and
-    # say why, instead of letting the pod crash-loop. A spec change or the retry annotation
-    # releases the hold.
+
+def _preflight_hold(
+    body: dict[str, Any],
+    status: dict[str, Any],
+    pods: list[dict[str, Any]],
+    template_hash: str,
+    new_status: dict[str, Any],
+) -> tuple[bool, tuple[str, str] | None, Problem | None]:
+    """(held, a refusal found now, the problem): a refused preflight cannot succeed on retry.
+
+    The Deployment is held at 0 for this spec with the reason in the status, instead of letting the
+    pod crash-loop. A spec change or the retry annotation releases the hold.
+    """
     hold = status.get("preflightRefusal") or {}
     retry = _retry_token(body)
     held = hold.get("configHash") == template_hash and hold.get("retry", "") == retry
@@ -213,61 +335,71 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
         pod_name, message = refusal
         hold = {"configHash": template_hash, "retry": retry, "pod": pod_name, "message": message}
         held = True
-        cluster.event(body, "Warning", "PreflightFailed", f"pod {pod_name}: {message}")
-        log.warning("event=preflight-refused model=%s/%s pod=%s message=%r", ns, name, pod_name, message)
-    if held:
-        new_status["preflightRefusal"] = hold
-        problem = Problem(
-            "PreflightFailed",
-            f"pod {hold.get('pod')}: {hold.get('message')}; fix the model or "
-            f"spec, or annotate {RETRY_ANNOTATION}=<new value> to retry",
-        )
-    elif status.get("preflightRefusal"):
-        new_status["preflightRefusal"] = None
+    if not held:
+        if status.get("preflightRefusal"):
+            new_status["preflightRefusal"] = None
+        return False, None, None
+    new_status["preflightRefusal"] = hold
+    problem = Problem(
+        "PreflightFailed",
+        f"pod {hold.get('pod')}: {hold.get('message')}; fix the model or "
+        f"spec, or annotate {RETRY_ANNOTATION}=<new value> to retry",
+    )
+    return True, refusal, problem
 
-    secret_missing = False
+
+def _missing_secret(cluster: Cluster, fm: FlashModel) -> tuple[bool, Problem | None]:
+    """Whether a Secret key the pods read is missing, and the problem of the first one that is."""
+    missing_any, problem = False, None
     for use in referenced_secrets(fm.spec):
-        secret = cluster.get("v1", "Secret", ns, use.name)
+        secret = cluster.get("v1", "Secret", fm.namespace, use.name)
         missing = secret is None or use.key not in (secret.get("data") or {})
-        secret_missing = secret_missing or missing
+        missing_any = missing_any or missing
         if missing and problem is None:
             problem = Problem(
                 use.reason,
-                f"{use.field}: Secret {ns}/{use.name} with key {use.key!r} not found; "
+                f"{use.field}: Secret {fm.namespace}/{use.name} with key {use.key!r} not found; "
                 f"create it, or {use.instead} (no pod starts until then)",
             )
+    return missing_any, problem
 
-    # The token the shim requires on POST /prewarm; made once and random, so it is not in the render.
-    control_missing = first_pass or (
-        not from_watch and cluster.get("v1", "Secret", ns, control_secret_name(name)) is None
-    )
-    token = secrets.token_urlsafe(32) if control_missing else None
-    if token is not None and cluster.create(render_control_secret(fm, token)):
+
+def _execute(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcome) -> None:
+    """Write what the plan decided: the control Secret, the children, the autoscaler, then the status."""
+    fm = plan.parsed.fm
+    ns, name = fm.namespace, fm.name
+    if plan.refusal is not None:
+        pod_name, message = plan.refusal
+        cluster.event(body, "Warning", "PreflightFailed", f"pod {pod_name}: {message}")
+        log.warning("event=preflight-refused model=%s/%s pod=%s message=%r", ns, name, pod_name, message)
+    if plan.control_token is not None and cluster.create(render_control_secret(fm, plan.control_token)):
         # The pod watches would read it back from the API, once per model; the pass that made it knows it.
-        model_state(ns, name).control_token = token
+        model_state(ns, name).control_token = plan.control_token
         log.info("event=control-secret-created model=%s/%s", ns, name)
+    _apply_children(cluster, body, plan, outcome)
+    if not plan.first_pass and not plan.from_watch and not needs_pdb(fm):
+        _remove_unneeded_pdb(cluster, body, fm)
+    status: dict[str, Any] = dict(body.get("status") or {})
+    scaler = _reconcile_autoscaler(cluster, body, fm, status, plan.new_status, outcome)
+    _observe(cluster, body, plan, scaler, outcome)
 
-    # The autoscaler is applied after the rest (_reconcile_autoscaler): its kind may not exist here.
-    children = [c for c in render_children(fm, replicas=0 if held else None) if c["kind"] not in _AUTOSCALER_API]
-    if from_watch:
-        children = [c for c in children if c["kind"] == "Deployment"]
-    if secret_missing:
-        # A pod without its key would serve without authentication or crash-loop on the missing mount,
-        # and one without its hub token would fail its download; the Secret's arrival triggers a pass
-        # within seconds (handlers.wait_for_secret).
-        children = [c for c in children if c["kind"] != "Deployment"]
+
+def _apply_children(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcome) -> None:
+    fm = plan.parsed.fm
     # One event for the children a pass changed, after them: an event per child was four more writes
     # before a new model's status (most of a burst's events), and each would hold up the next child.
     applied_events: list[str] = []
     try:
-        for child in children:
+        for child in plan.children:
             try:
                 if child["kind"] == "Deployment":
-                    result = reads.apply_deployment(child, known_absent=first_pass)
+                    result = plan.reads.apply_deployment(child, known_absent=plan.first_pass)
                 else:
-                    result = cluster.apply(child, known_absent=first_pass)
+                    result = cluster.apply(child, known_absent=plan.first_pass)
             except Exception as exc:
-                if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(exc, (ns, name)):
+                if (isinstance(exc, ApiException) and namespace_terminating(exc)) or _still_transient(
+                    exc, (fm.namespace, fm.name)
+                ):
                     # A dropped connection or a 5xx the client's retries did not outlast says nothing about
                     # the model: the handler's back-off retries it, and only a lasting failure is Degraded.
                     raise
@@ -282,9 +414,9 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
                     "the operator retries with back-off",
                 )
                 outcome.problem = refused
-                _write_status(
-                    cluster, body, new_status, Observation(generation, fm.spec.replicas, problem=refused), outcome
-                )
+                generation = plan.new_status["observedGeneration"]
+                observation = Observation(generation, fm.spec.replicas, problem=refused)
+                _write_status(cluster, body, plan.new_status, observation, outcome)
                 raise
             outcome.applied[f"{child['kind']}/{child['metadata']['name']}"] = result
             if result != "unchanged":
@@ -292,24 +424,29 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     finally:
         if applied_events:
             cluster.event(body, "Normal", "Applied", ", ".join(applied_events))
-    if not first_pass and not from_watch and not needs_pdb(fm):
-        _remove_unneeded_pdb(cluster, body, fm)
-    scaler = _reconcile_autoscaler(cluster, body, fm, status, new_status, outcome)
 
+
+def _observe(cluster: Cluster, body: dict[str, Any], plan: Plan, scaler: ScalerState | None, outcome: Outcome) -> None:
+    """The pass's view of the model's pods and Deployment after its writes, into the status and the gauges."""
+    fm = plan.parsed.fm
+    ns, name = fm.namespace, fm.name
+    status: dict[str, Any] = dict(body.get("status") or {})
     # Its status after this pass's apply: the object the apply compared or wrote where it has it, else
     # read back when the apply wrote it (or for a full pass), else as watched.
     deployment_written = outcome.applied.get(f"Deployment/{name}", "unchanged") != "unchanged"
-    deployment = reads.deployment_now or reads.deployment(fresh=deployment_written or not from_watch) or {}
+    reads = plan.reads
+    deployment = reads.deployment_now or reads.deployment(fresh=deployment_written or not plan.from_watch) or {}
     dep_status = deployment.get("status") or {}
+    template_hash = plan.parsed.template_hash
     current_pods = [
-        p for p in pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash
+        p for p in plan.pods if (p["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION) == template_hash
     ]
-    desired = 0 if held else fm.spec.replicas
+    desired = 0 if plan.held else fm.spec.replicas
     # Standby pods are on top of replicas and never Ready: the scale subresource, the conditions and
     # an autoscaler count the serving pods.
     serving_pods = max(0, int(dep_status.get("replicas", 0)) - standby_count(fm, desired))
     obs = Observation(
-        generation=generation,
+        generation=plan.new_status["observedGeneration"],
         desired_replicas=desired,
         replicas=serving_pods,
         ready_replicas=int(dep_status.get("readyReplicas", 0)),
@@ -319,7 +456,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
         ),
         deployment_generation_observed=int(dep_status.get("observedGeneration", 0))
         >= int(deployment.get("metadata", {}).get("generation", 1)),
-        problem=problem,
+        problem=plan.problem,
         unschedulable=unschedulable(current_pods),
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
     )
@@ -333,7 +470,7 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
     counts = (desired, obs.ready_replicas, obs.prewarmed_replicas, standby)
     for state, value in zip(REPLICA_STATES, counts, strict=True):
         MODEL_REPLICAS.labels(ns, name, state).set(value)
-    new_status.update(
+    plan.new_status.update(
         {
             "replicas": obs.replicas,
             "readyReplicas": obs.ready_replicas,
@@ -343,12 +480,11 @@ def _reconcile(cluster: Cluster, body: dict[str, Any], watched: ChildCache | Non
             "selector": selector_string(fm),
             "servedName": fm.served_name,
             "endpoint": f"http://{name}.{ns}.svc:{ENGINE_PORT}/v1",
-            "engineArgs": args,
+            "engineArgs": plan.parsed.args,
         }
     )
-    outcome.problem = problem
-    _write_status(cluster, body, new_status, obs, outcome)
-    return outcome
+    outcome.problem = plan.problem
+    _write_status(cluster, body, plan.new_status, obs, outcome)
 
 
 SECRET_WAIT_REASONS = ("AuthSecretNotFound", "HubTokenSecretNotFound")
@@ -481,7 +617,7 @@ def _reconcile_autoscaler(
 
 def write_pod_records(cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]]) -> None:
     """status.pods, for the pod watches: under the model's lock, so it never lands inside a pass."""
-    with _locks[(namespace, name)]:
+    with _locks.hold((namespace, name)):
         cluster.patch_status(namespace, name, {"pods": pods})
 
 
@@ -497,7 +633,7 @@ def record_remediation(
 
     Under the model's lock: the read and the write of the history are one step, with no pass between.
     """
-    with _locks[(namespace, name)]:
+    with _locks.hold((namespace, name)):
         latest = cluster.get_flashmodel(namespace, name) or fm
         history = [*((latest.get("status") or {}).get("remediations") or []), entry][-keep(latest) :]
         cluster.patch_status(namespace, name, {"remediations": history})

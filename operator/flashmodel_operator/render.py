@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
-from flashmodel_operator.placement import pod_profile
+from flashmodel_operator.placement import PodProfile, pod_profile
 
 PRE_STOP_SLEEP_SECONDS = 5
 """Endpoint removal reaches kube-proxy and load balancers within a few seconds."""
@@ -233,17 +233,27 @@ def _model_volume(fm: FlashModel) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
     """The engine pod before the patch: the profile's settings, then the user's fields."""
-    spec = fm.spec
-    profile = pod_profile(spec.accelerator)
-    health = spec.health
+    profile = pod_profile(fm.spec.accelerator)
+    volumes, mounts = _volumes(fm, profile)
+    container = _engine_container(fm, _engine_env(fm, profile), _engine_resources(fm, profile), mounts)
+    config_hash = content_hash({CONFIG_KEY: engine_config_yaml(fm)})
+    return {
+        "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+        "spec": _pod_spec(fm, profile, container, volumes),
+    }
 
-    resources: dict[str, Any] = copy.deepcopy(spec.resources)
+
+def _engine_resources(fm: FlashModel, profile: PodProfile) -> dict[str, Any]:
+    resources: dict[str, Any] = copy.deepcopy(fm.spec.resources)
     for resource, amount in profile.limits.items():
         # The profile's count wins (a pod with nvidia.com/gpu: 0 ran on a T4 node with no GPU);
         # extended resources must have requests equal to limits.
         resources.setdefault("limits", {})[resource] = amount
         resources.setdefault("requests", {})[resource] = amount
+    return resources
 
+
+def _engine_env(fm: FlashModel, profile: PodProfile) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -257,13 +267,17 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
     ]
     env += [{"name": k, "value": v} for k, v in sorted(profile.env.items())]
-    hub = spec.model.hub
+    hub = fm.spec.model.hub
     if hub is not None and hub.token_secret_ref is not None:
         # From the Secret at container start: the token is never in the pod spec, the engine
         # ConfigMap or status, and a user reading the Deployment does not see it.
         token = hub.token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    return env
 
+
+def _volumes(fm: FlashModel, profile: PodProfile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the engine container's mounts of them."""
     model_volumes, model_mounts = _model_volume(fm)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": f"{fm.name}-engine"}},
@@ -281,22 +295,29 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         {"name": "tmp", "mountPath": "/tmp"},
         *model_mounts,
     ]
+    hub = fm.spec.model.hub
     if hub is not None and hub.cache is not None:
         # Mounted over HF_HOME inside the emptyDir: downloads land on the shared claim, and the next
         # pod (on any node) finds the files there instead of fetching them again. The compile caches
         # stay per pod, since they hold kernels built for this pod's GPU and software.
         volumes.append({"name": HUB_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": hub.cache.pvc.claim_name}})
         mounts.append({"name": HUB_CACHE_VOLUME, "mountPath": HF_HOME})
-    if spec.auth is not None:
-        ref = spec.auth.api_key_secret_ref
+    if fm.spec.auth is not None:
+        ref = fm.spec.auth.api_key_secret_ref
         volumes.append(
             {"name": "auth", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
         )
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    return volumes, mounts
 
-    container: dict[str, Any] = {
+
+def _engine_container(
+    fm: FlashModel, env: list[dict[str, Any]], resources: dict[str, Any], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    health = fm.spec.health
+    return {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": fm.spec.engine.image,
         "command": ["python", "-m", "flashmodel_engine", "launch", "--config", CONFIG_FILE],
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
@@ -322,6 +343,11 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         },
     }
 
+
+def _pod_spec(
+    fm: FlashModel, profile: PodProfile, container: dict[str, Any], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    spec = fm.spec
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -350,17 +376,12 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
         pod_spec["tolerations"] = tolerations
     if spec.affinity:
         pod_spec["affinity"] = copy.deepcopy(spec.affinity)
-
-    config_hash = content_hash({CONFIG_KEY: engine_config_yaml(fm)})
-    return {
-        "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
-        "spec": pod_spec,
-    }
+    return pod_spec
 
 
 def render_pod_template(fm: FlashModel) -> dict[str, Any]:
     """The engine pod: the profile's settings, the user's fields, the patch, then the enforced parts again."""
-    template, _ = _patched_template(fm)
+    template, _ = render_pod(fm)
     return template
 
 
@@ -370,11 +391,16 @@ def pod_template_problems(fm: FlashModel) -> list[str]:
     The rendered pod holds the enforced parts whatever these say; the reconcile refuses such a spec
     so that the user learns it, instead of running something other than what they wrote.
     """
-    _, problems = _patched_template(fm)
+    _, problems = render_pod(fm)
     return problems
 
 
-def _patched_template(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
+def render_pod(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
+    """The engine pod (render_pod_template) and its problems (pod_template_problems), from one render.
+
+    A reconcile pass wants both, and the Deployment built from the same template (render_children's
+    `template`): each render costs a YAML dump and a hash of the engine config.
+    """
     base = _base_pod_template(fm)
     problems = _spec_problems(fm)
     if not fm.spec.pod_template_patch:
@@ -407,8 +433,13 @@ def _spec_problems(fm: FlashModel) -> list[str]:
     return problems
 
 
-def render_deployment(fm: FlashModel, replicas: int | None = None) -> dict[str, Any]:
-    """The engine Deployment; `replicas` overrides the spec (the operator holds 0 after a preflight refusal)."""
+def render_deployment(
+    fm: FlashModel, replicas: int | None = None, template: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The engine Deployment; `replicas` overrides the spec (the operator holds 0 after a preflight refusal).
+
+    `template`: the model's render_pod_template where the caller has it already.
+    """
     spec = fm.spec
     startup = spec.health.startup_timeout_seconds + (spec.prewarm.timeout_seconds if spec.prewarm.enabled else 0)
     serving = spec.replicas if replicas is None else replicas
@@ -426,7 +457,7 @@ def render_deployment(fm: FlashModel, replicas: int | None = None) -> dict[str, 
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": standby}},
             "progressDeadlineSeconds": startup + 120,
             "revisionHistoryLimit": 3,
-            "template": render_pod_template(fm),
+            "template": render_pod_template(fm) if template is None else template,
         },
     }
 
@@ -489,9 +520,11 @@ def render_autoscaler(fm: FlashModel, prometheus: str) -> dict[str, Any] | None:
     return render_hpa(fm, _metadata(fm, fm.name))
 
 
-def render_children(fm: FlashModel, replicas: int | None = None, prometheus: str = "") -> list[dict[str, Any]]:
-    """Every child, in apply order (the ConfigMap before the pods that mount it)."""
-    children = [render_configmap(fm), render_deployment(fm, replicas), render_service(fm)]
+def render_children(
+    fm: FlashModel, replicas: int | None = None, prometheus: str = "", template: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Every child, in apply order (the ConfigMap before the pods that mount it); `template` as render_deployment's."""
+    children = [render_configmap(fm), render_deployment(fm, replicas, template), render_service(fm)]
     if needs_pdb(fm):
         children.append(render_pdb(fm))
     autoscaler = render_autoscaler(fm, prometheus)
@@ -637,8 +670,18 @@ def _dict(obj: dict[str, Any], key: str) -> dict[str, Any]:
 
 def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     """Put the enforced parts of `base` back into `patched` (in place); one line per part the patch changed."""
+    problems = _enforce_metadata(base, patched)
+    spec = patched.setdefault("spec", {})
+    problems += _enforce_engine(base["spec"]["containers"][0], spec)
+    problems += _enforce_pod_spec(base["spec"], spec)
+    return problems
+
+
+_WHERE = "spec.podTemplatePatch"
+
+
+def _enforce_metadata(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     problems: list[str] = []
-    where = "spec.podTemplatePatch"
     meta = patched.setdefault("metadata", {})
     for field in ("labels", "annotations"):
         values = meta.get(field) if isinstance(meta.get(field), dict) else None
@@ -646,81 +689,106 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
             values = meta[field] = {}
         for key, value in base["metadata"][field].items():
             if values.get(key) != value:
-                problems.append(f"{where} changes the pod {field[:-1]} {key}, which the operator selects and rolls "
+                problems.append(f"{_WHERE} changes the pod {field[:-1]} {key}, which the operator selects and rolls "
                                 "pods by; remove it from the patch")
                 values[key] = value
+    return problems
 
-    spec = patched.setdefault("spec", {})
-    base_spec = base["spec"]
+
+def _enforce_engine(base_engine: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """The engine container: there, with the enforced fields, ports, mounts, hub env and GPU resources."""
+    problems: list[str] = []
     containers = spec.get("containers") if isinstance(spec.get("containers"), list) else None
     if containers is None:
         containers = spec["containers"] = []
-    base_engine = base_spec["containers"][0]
     engine = next((c for c in containers if isinstance(c, dict) and c.get("name") == base_engine["name"]), None)
     if engine is None:
-        problems.append(f"{where} removes the engine container; remove that from the patch")
+        problems.append(f"{_WHERE} removes the engine container; remove that from the patch")
         engine = copy.deepcopy(base_engine)
         containers.insert(0, engine)
     for field, why in _ENFORCED_CONTAINER_FIELDS.items():
         if engine.get(field) != base_engine.get(field):
-            problems.append(f"{where} changes the engine container's {field}: {why}; remove it from the patch")
+            problems.append(f"{_WHERE} changes the engine container's {field}: {why}; remove it from the patch")
             if field in base_engine:
                 engine[field] = copy.deepcopy(base_engine[field])
             else:
                 engine.pop(field, None)
+    for part in (_enforce_ports, _enforce_mounts, _enforce_hub_env, _enforce_gpu_resources):
+        problems += part(base_engine, engine)
+    return problems
 
+
+def _enforce_ports(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     ports = _list(engine, "ports")
     for port in base_engine["ports"]:
         same = [p for p in ports if isinstance(p, dict) and (p.get("containerPort") == port["containerPort"]
                                                                or p.get("name") == port["name"])]
         if same != [port]:
-            problems.append(f"{where} changes the engine container's port {port['name']} ({port['containerPort']}): "
+            problems.append(f"{_WHERE} changes the engine container's port {port['name']} ({port['containerPort']}): "
                             "the Service and the operator reach the engine and the shim there; "
                             "remove it from the patch")
             ports = [p for p in ports if p not in same]
             ports.append(copy.deepcopy(port))
     engine["ports"] = sorted(ports, key=lambda p: (p not in base_engine["ports"], str(p.get("containerPort"))))
+    return problems
 
+
+def _enforce_mounts(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     mounts = _list(engine, "volumeMounts")
     paths = [m.get("mountPath") for m in mounts if isinstance(m, dict)]
     for path in sorted({p for p in paths if paths.count(p) > 1}, key=str):
-        problems.append(f"{where} mounts two volumes at {path}; keep one")
+        problems.append(f"{_WHERE} mounts two volumes at {path}; keep one")
     for mount in base_engine["volumeMounts"]:
         at = [m for m in mounts if isinstance(m, dict) and m.get("mountPath") == mount["mountPath"]]
         if at != [mount]:
-            problems.append(f"{where} changes the engine container's mount at {mount['mountPath']} "
+            problems.append(f"{_WHERE} changes the engine container's mount at {mount['mountPath']} "
                             f"(volume {mount['name']}), which the engine reads; remove it from the patch")
             mounts = [m for m in mounts if m not in at]
             mounts.append(copy.deepcopy(mount))
     engine["volumeMounts"] = mounts
+    return problems
 
+
+def _enforce_hub_env(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     env = [e for e in _list(engine, "env") if isinstance(e, dict)]
     base_env = {e["name"]: e for e in base_engine["env"] if e["name"] in _HUB_ENV}
     for name, instead in _HUB_ENV.items():
         given = [e for e in env if e.get("name") == name]
         want = [base_env[name]] if name in base_env else []
         if given != want:
-            problems.append(f"{where} changes the engine container's env {name}, which picks the hub token or cache; "
+            problems.append(f"{_WHERE} changes the engine container's env {name}, which picks the hub token or cache; "
                             f"{instead}, and remove it from the patch")
             env = [e for e in env if e.get("name") != name] + copy.deepcopy(want)
     engine["env"] = env
+    return problems
 
+
+def _enforce_gpu_resources(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
     resources = _dict(engine, "resources")
     for part in ("limits", "requests"):
         for resource, amount in (base_engine["resources"].get(part) or {}).items():
             if resource.startswith("nvidia.com/") and str((resources.get(part) or {}).get(resource)) != str(amount):
-                problems.append(f"{where} changes the engine container's {part}[{resource}]: the profile runs each "
+                problems.append(f"{_WHERE} changes the engine container's {part}[{resource}]: the profile runs each "
                                 f"engine on exactly {amount}; remove it from the patch")
                 resources.setdefault(part, {})[resource] = amount
     engine["resources"] = resources
+    return problems
 
+
+def _enforce_pod_spec(base_spec: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """The pod's read volumes, its readiness gate, and the profile's GPU node selector and tolerations."""
+    problems: list[str] = []
     volumes = _list(spec, "volumes")
     for volume in base_spec["volumes"]:
         if volume["name"] not in _READ_VOLUMES:
             continue
         same = [v for v in volumes if isinstance(v, dict) and v.get("name") == volume["name"]]
         if same != [volume]:
-            problems.append(f"{where} changes the volume {volume['name']}, which the engine reads; "
+            problems.append(f"{_WHERE} changes the volume {volume['name']}, which the engine reads; "
                             "remove it from the patch")
             volumes = [v for v in volumes if v not in same]
             volumes.append(copy.deepcopy(volume))
@@ -729,7 +797,7 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     gates = _list(spec, "readinessGates")
     for gate in base_spec["readinessGates"]:
         if gate not in gates:
-            problems.append(f"{where} drops the readiness gate {gate['conditionType']}: a pod takes traffic only "
+            problems.append(f"{_WHERE} drops the readiness gate {gate['conditionType']}: a pod takes traffic only "
                             "after its prewarm; remove it from the patch")
             gates = [*gates, gate]
     spec["readinessGates"] = gates
@@ -737,7 +805,7 @@ def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
     selector = _dict(spec, "nodeSelector")
     for key, value in (base_spec.get("nodeSelector") or {}).items():
         if selector.get(key) != value and key.startswith("nvidia.com/"):
-            problems.append(f"{where} changes nodeSelector[{key}]: the profile runs only where it is {value!r}; "
+            problems.append(f"{_WHERE} changes nodeSelector[{key}]: the profile runs only where it is {value!r}; "
                             "remove it from the patch")
             selector[key] = value
     if selector:

@@ -9,32 +9,32 @@ of the operator and behind other pods' watches.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flashmodel_operator.model import FlashModel, FlashModelSpec
+from flashmodel_operator.pod_context import PodContext
 from flashmodel_operator.pod_state import PROMOTED, STANDBY, ModelState, PodRecord, gate_is_standby, gate_is_true
 from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, MODEL_LABEL, PREWARM_GATE, render_pod_template
 from flashmodel_operator.standby import GateView, pick_standby, should_serve, should_stand_by
 
-if TYPE_CHECKING:
-    from flashmodel_operator.gating import PodWatch
-
 log = logging.getLogger(__name__)
 
-_templates: dict[tuple[str, int], str] = {}
 
+def current_template(state: ModelState, fm: dict[str, Any]) -> str:
+    """The config hash of the pods the model's spec renders now (what reconcile calls current).
 
-def current_template(fm: dict[str, Any]) -> str:
-    """The config hash of the pods the model's spec renders now (what reconcile calls current)."""
+    Kept in the model's state, once per generation: standbys ask on every poll.
+    """
     meta = fm.get("metadata") or {}
     key = (str(meta.get("uid", "")), int(meta.get("generation", 0)))
-    found = _templates.get(key)
-    if found is None:
-        found = render_pod_template(FlashModel.from_body(fm))["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
-        if len(_templates) > 4096:  # deleted models' entries: a bound, not an eviction policy
-            _templates.clear()
-        _templates[key] = found
-    return str(found)
+    if state.template is None or state.template[0] != key:
+        state.template = (key, template_hash(fm))
+    return state.template[1]
+
+
+def template_hash(fm: dict[str, Any]) -> str:
+    """The config hash of the pods the model's spec renders."""
+    return str(render_pod_template(FlashModel.from_body(fm))["metadata"]["annotations"][CONFIG_HASH_ANNOTATION])
 
 
 def template_of(pod: dict[str, Any]) -> str:
@@ -53,110 +53,110 @@ def api_views(pods: list[dict[str, Any]]) -> list[GateView]:
     ]
 
 
-async def _live_pods(watch: PodWatch) -> list[dict[str, Any]]:
-    return await watch.api(watch.cluster.list, "v1", "Pod", watch.namespace, f"{MODEL_LABEL}={watch.model}")
+async def _live_pods(ctx: PodContext) -> list[dict[str, Any]]:
+    return await ctx.api(ctx.cluster.list, "v1", "Pod", ctx.namespace, f"{MODEL_LABEL}={ctx.model}")
 
 
 async def open_or_hold(
-    watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord, reason: str, message: str
+    ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord, reason: str, message: str
 ) -> bool:
     """After a prewarm: open the pod's gate, or hold it as a standby. True when it serves."""
     if spec.standby_replicas == 0:
-        await watch.set_gate(True, reason, message)
+        await ctx.set_gate(True, reason, message)
         record.standby = False
         return True
-    template = current_template(fm)
-    async with watch.state.lock:
-        views = api_views(await _live_pods(watch))
-        me = GateView(watch.name, record.template, serving=False)
-        serve = should_serve(me, views, template, spec.replicas, spec.standby_replicas, watch.state.in_flight)
+    template = current_template(ctx.state, fm)
+    async with ctx.state.lock:
+        views = api_views(await _live_pods(ctx))
+        me = GateView(ctx.name, record.template, serving=False)
+        serve = should_serve(me, views, template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
         if serve:
-            await watch.set_gate(True, reason, message)
+            await ctx.set_gate(True, reason, message)
         else:
-            await watch.set_gate(
+            await ctx.set_gate(
                 False, STANDBY, f"{message}; held as a standby: spec.replicas={spec.replicas} pods of this spec serve"
             )
         record.standby = not serve
     return serve
 
 
-async def serve_if_needed(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord) -> bool:
+async def serve_if_needed(ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord) -> bool:
     """A standby's poll: open its gate when fewer pods of the current spec serve than replicas."""
     if not record.standby:
         return False
-    template = current_template(fm)
-    me = GateView(watch.name, record.template, serving=False, standby=True)
-    args = (template, spec.replicas, spec.standby_replicas, watch.state.in_flight)
-    if not should_serve(me, memory_views(watch.state), *args):
+    template = current_template(ctx.state, fm)
+    me = GateView(ctx.name, record.template, serving=False, standby=True)
+    args = (template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
+    if not should_serve(me, memory_views(ctx.state), *args):
         return False
-    async with watch.state.lock:
+    async with ctx.state.lock:
         if not record.standby:
             return False  # promoted meanwhile, by a drain
-        views = api_views(await _live_pods(watch))
-        if not should_serve(me, views, template, spec.replicas, spec.standby_replicas, watch.state.in_flight):
+        views = api_views(await _live_pods(ctx))
+        if not should_serve(me, views, template, spec.replicas, spec.standby_replicas, ctx.state.in_flight):
             return False
         serving = sum(1 for v in views if v.serving and v.template == template)
         message = f"standby promoted: {serving} of spec.replicas={spec.replicas} pods of this spec served"
-        await watch.set_gate(True, PROMOTED, message)
+        await ctx.set_gate(True, PROMOTED, message)
         record.standby = False
-    await _promoted_event(watch, fm, watch.name, message)
+    await _promoted_event(ctx, fm, ctx.name, message)
     return True
 
 
-async def stand_by_if_surplus(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord) -> bool:
+async def stand_by_if_surplus(ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec, record: PodRecord) -> bool:
     """A serving pod's poll: close its gate and wait as a standby when more pods serve than replicas.
 
     Its engine keeps running, so the requests it has accepted finish; only new ones go elsewhere.
     """
     if spec.standby_replicas == 0 or not record.serving:
         return False
-    template = current_template(fm)
-    me = GateView(watch.name, record.template, serving=True)
-    args = (template, spec.replicas, spec.standby_replicas, watch.state.in_flight)
-    if not should_stand_by(me, memory_views(watch.state), *args):
+    template = current_template(ctx.state, fm)
+    me = GateView(ctx.name, record.template, serving=True)
+    args = (template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
+    if not should_stand_by(me, memory_views(ctx.state), *args):
         return False
-    async with watch.state.lock:
-        views = api_views(await _live_pods(watch))
+    async with ctx.state.lock:
+        views = api_views(await _live_pods(ctx))
         if not should_stand_by(me, views, *args):
             return False
         serving = sum(1 for v in views if v.serving and v.template == template)
         message = f"stepped back to standby: {serving} pods of this spec served, spec.replicas={spec.replicas}"
-        await watch.set_gate(False, STANDBY, message)
+        await ctx.set_gate(False, STANDBY, message)
         record.standby = True
-    await watch.api(watch.cluster.event, fm, "Normal", "StandingBy", f"pod {watch.name}: {message}")
-    log.info("event=standing-by model=%s/%s pod=%s", watch.namespace, watch.model, watch.name)
-    await watch.write_pods_status()
+    await ctx.api(ctx.cluster.event, fm, "Normal", "StandingBy", f"pod {ctx.name}: {message}")
+    log.info("event=standing-by model=%s/%s pod=%s", ctx.namespace, ctx.model, ctx.name)
+    await ctx.write_pods_status()
     return True
 
 
-async def promote_for(watch: PodWatch, fm: dict[str, Any], spec: FlashModelSpec, why: str) -> tuple[str, str] | None:
+async def promote_for(ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec, why: str) -> tuple[str, str] | None:
     """Before this watch's pod is drained: open a healthy standby's gate in its place.
 
     (name, pod IP) of the promoted standby, or None when there is none.
     """
-    record = watch.state.pods.get(watch.name)
+    record = ctx.state.pods.get(ctx.name)
     if spec.standby_replicas == 0 or record is None or not record.serving:
         return None  # a standby being replaced carries no traffic to hand over
-    template = current_template(fm)
-    health = watch.state.health.items()
+    template = current_template(ctx.state, fm)
+    health = ctx.state.health.items()
     healthy = frozenset(n for n, h in health if h.readyz_failing_since is None and not h.divergence_recommended)
-    async with watch.state.lock:
-        pods = await _live_pods(watch)
+    async with ctx.state.lock:
+        pods = await _live_pods(ctx)
         name = pick_standby(api_views(pods), template, healthy)
         if name is None:
             return None
-        message = f"standby promoted in place of pod {watch.name}: {why}"
-        await watch.api(watch.cluster.set_pod_condition, watch.namespace, name, PREWARM_GATE, True, PROMOTED, message)
-        promoted = watch.state.pods.get(name)
+        message = f"standby promoted in place of pod {ctx.name}: {why}"
+        await ctx.api(ctx.cluster.set_pod_condition, ctx.namespace, name, PREWARM_GATE, True, PROMOTED, message)
+        promoted = ctx.state.pods.get(name)
         if promoted is not None:
             promoted.standby = False
     ip = next(str((p.get("status") or {}).get("podIP", "")) for p in pods if p["metadata"]["name"] == name)
-    await _promoted_event(watch, fm, name, message)
+    await _promoted_event(ctx, fm, name, message)
     return name, ip
 
 
-async def _promoted_event(watch: PodWatch, fm: dict[str, Any], name: str, message: str) -> None:
+async def _promoted_event(ctx: PodContext, fm: dict[str, Any], name: str, message: str) -> None:
     # On the model, beside its Remediated events: `kubectl describe fm` tells the whole replacement.
-    await watch.api(watch.cluster.event, fm, "Normal", "Promoted", f"pod {name}: {message}")
-    log.info("event=promoted model=%s/%s pod=%s", watch.namespace, watch.model, name)
-    await watch.write_pods_status()
+    await ctx.api(ctx.cluster.event, fm, "Normal", "Promoted", f"pod {name}: {message}")
+    log.info("event=promoted model=%s/%s pod=%s", ctx.namespace, ctx.model, name)
+    await ctx.write_pods_status()

@@ -38,6 +38,11 @@ class WatchedModels:
     watch's last listing: kopf lists at start-up and after its watch expired, and a model deleted
     in between sends no DELETED event. Thread-safe: the watch's handler runs on the event loop, the
     passes in kopf's pool. The bodies handed out are shared: read them, never change them.
+
+    Not a kopf index: an index holds only what the watch delivered and is handed to handlers as an
+    argument, while this also takes the answers of the operator's own reads and status writes (so
+    no pass acts on a body older than one an earlier pass wrote from) and is read by the pod
+    watches and the resync, which are not kopf handlers.
     """
 
     def __init__(self) -> None:

@@ -107,7 +107,7 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("policy", "poddisruptionbudgets"): CHILD_VERBS,
     ("autoscaling", "horizontalpodautoscalers"): CHILD_VERBS,
     ("keda.sh", "scaledobjects"): CHILD_VERBS,
-    ("", "pods"): {"get", "list", "watch", "patch"},
+    ("", "pods"): {"get", "list", "watch"},
     ("", "pods/status"): {"patch"},
     ("", "pods/eviction"): {"create"},
     ("discovery.k8s.io", "endpointslices"): {"list"},

@@ -20,7 +20,7 @@ from flashmodel_operator.apply import Cluster
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.pod_state import model_state
 from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, CONTROL_TOKEN_KEY, MODEL_LABEL, PREWARM_GATE
-from flashmodel_operator.standby_gate import current_template
+from flashmodel_operator.standby_gate import template_hash
 from flashmodel_operator.watched_models import WatchedModels
 from kubernetes.client.exceptions import ApiException
 
@@ -136,6 +136,23 @@ def _new_model(api: InMemoryAPI) -> tuple[str, str]:
     return ns, name
 
 
+def test_a_pass_renders_the_engine_pod_once(api: InMemoryAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pass wants the pod's config hash, its problems and the Deployment's template: one render.
+    from flashmodel_operator import render
+
+    rendered: list[str] = []
+    base = render._base_pod_template
+
+    def counted(fm: Any) -> dict[str, Any]:
+        rendered.append(fm.name)
+        return base(fm)
+
+    monkeypatch.setattr(render, "_base_pod_template", counted)
+    _, name = _new_model(api)
+    assert "PATCH deployments" in api.requests
+    assert rendered == [name]
+
+
 def _deployment_path(ns: str, name: str) -> str:
     return f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"
 
@@ -162,7 +179,7 @@ def _kubelet_writes_pod(api: InMemoryAPI, ns: str, name: str, pod: str, prewarme
                 "app.kubernetes.io/managed-by": "flashmodel-operator",
                 MODEL_LABEL: name,
             },
-            "annotations": {CONFIG_HASH_ANNOTATION: current_template(fm)},
+            "annotations": {CONFIG_HASH_ANNOTATION: template_hash(fm)},
             "managedFields": [{"manager": "kubelet"}],
         },
         "spec": {"containers": [{"name": "engine"}]},
@@ -433,7 +450,7 @@ def test_a_child_event_pass_never_takes_back_a_spec_another_pass_read(api: InMem
     new = _new_spec(api, ns, name, 1024)
     handlers._reconcile_latest(ns, name)
     applied = _template_of_deployment(api, ns, name)
-    assert applied == current_template(new) != current_template(old)
+    assert applied == template_hash(new) != template_hash(old)
     _model_event("MODIFIED", old)
     api.requests.clear()
     _pod_event("MODIFIED", _kubelet_writes_pod(api, ns, name, "p1", prewarmed=True))
@@ -458,7 +475,7 @@ def test_a_spec_change_is_not_missed_when_a_child_event_comes_before_its_own(api
     _model_event("MODIFIED", changed)
     update = cast(Callable[..., None], handlers.on_flashmodel_change)
     update(namespace=ns, name=name, body=kopf.Body(cast(kopf.RawBody, changed)), reason="update", retry=0)
-    assert _template_of_deployment(api, ns, name) == current_template(changed) != before
+    assert _template_of_deployment(api, ns, name) == template_hash(changed) != before
     assert "1024" in _engine_config(api, ns, name)
     assert _status(api, ns, name)["observedGeneration"] == 2
 

@@ -100,7 +100,7 @@ async def test_an_eviction_is_recorded_even_when_the_pods_daemon_is_cancelled() 
     before = REMEDIATIONS.labels(reason="GenerationHung")._value.get()
     async with aiohttp.ClientSession() as session:
         watch = PodWatch(cluster, session, "ns-cancel", "qwen-abc", "qwen")
-        daemon = asyncio.create_task(evict_and_record(watch, fm, decision))
+        daemon = asyncio.create_task(evict_and_record(watch.context, fm, decision))
         await cluster.evicted.wait()
         daemon.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -180,7 +180,7 @@ async def test_a_recorded_eviction_keeps_the_whole_hour_the_budget_counts() -> N
     cluster = BudgetCluster(budget=20, history=_remediations(12), namespace="ns-history")
     async with aiohttp.ClientSession() as session:
         watch = PodWatch(cluster, session, "ns-history", "qwen-x", "qwen")
-        await evict_and_record(watch, cluster.fm, Decision("evict", "GenerationHung", "qwen-x", "hung"))
+        await evict_and_record(watch.context, cluster.fm, Decision("evict", "GenerationHung", "qwen-x", "hung"))
     assert len(cluster.fm["status"]["remediations"]) == 13
     assert restarts_last_hour(cluster.fm, dt.datetime.now(dt.UTC)) == 13
 
@@ -194,7 +194,7 @@ async def test_an_evicted_pod_is_no_candidate_for_the_models_next_decision() -> 
         first = PodWatch(cluster, session, "ns-evicted", "qwen-a", "qwen")
         second = PodWatch(cluster, session, "ns-evicted", "qwen-b", "qwen")  # the model's state is shared
         for name in ("qwen-a", "qwen-b"):
-            first.state.health[name] = PodHealth(
+            first.context.state.health[name] = PodHealth(
                 name=name,
                 prewarmed=True,
                 livez_ok=True,
@@ -204,9 +204,9 @@ async def test_an_evicted_pod_is_no_candidate_for_the_models_next_decision() -> 
                 readyz_failing_since=hung_since,
                 endpoint_ready=False,
             )
-        await evict_and_record(first, cluster.fm, Decision("evict", "GenerationHung", "qwen-a", "hung"))
-        assert "qwen-a" not in first.state.health
-        await decide(second, cluster.fm, spec, time.monotonic())  # within the back-off (60 s by default)
+        await evict_and_record(first.context, cluster.fm, Decision("evict", "GenerationHung", "qwen-a", "hung"))
+        assert "qwen-a" not in first.context.state.health
+        await decide(second.context, cluster.fm, spec, time.monotonic())  # within the back-off (60 s by default)
     held = [m for reason, m in cluster.events if reason == "RemediationHeld"]
     assert held and held[-1].startswith("pod qwen-b: BackingOff"), held
 
@@ -221,7 +221,7 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
         b = PodWatch(cluster, session, "ns-budget", "qwen-b", "qwen")
         for watch in (a, b):
             for _ in range(PREWARM_ATTEMPTS + 3):
-                delay = await prewarm(watch, pod, cluster.fm, spec, shim)
+                delay = await prewarm(watch.context, watch.clocks, pod, cluster.fm, spec, shim)
                 assert delay is not None, "a pod was evicted past an exhausted restart budget"
     assert cluster.evictions == []
     assert shim.prewarms == 2 * PREWARM_ATTEMPTS  # once failed for good, a pod waits instead of prewarming
@@ -231,8 +231,8 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
     # With budget left, one pod goes, and the next waits for the back-off.
     cluster.fm["status"]["remediations"] = []
     async with aiohttp.ClientSession() as session:
-        first = await prewarm(a, pod, cluster.fm, spec, shim)
-        second = await prewarm(b, pod, cluster.fm, spec, shim)
+        first = await prewarm(a.context, a.clocks, pod, cluster.fm, spec, shim)
+        second = await prewarm(b.context, b.clocks, pod, cluster.fm, spec, shim)
     assert first is None and second is not None
     assert cluster.evictions == ["qwen-a"]
 
@@ -268,7 +268,7 @@ async def test_status_pods_says_prewarmed_before_the_gate_opens(enabled: bool) -
     pod: dict[str, Any] = {"metadata": {"name": "qwen-a", "namespace": cluster.fm["metadata"]["namespace"]}}
     async with aiohttp.ClientSession() as session:
         watch = PodWatch(cluster, session, cluster.fm["metadata"]["namespace"], "qwen-a", "qwen")
-        assert await prewarm(watch, pod, cluster.fm, spec, SucceedingShim()) is not None
+        assert await prewarm(watch.context, watch.clocks, pod, cluster.fm, spec, SucceedingShim()) is not None
     assert len(cluster.pods_at_gate_open) == 1
     [entries] = cluster.pods_at_gate_open
     assert [(e["name"], e["prewarmed"]) for e in entries] == [("qwen-a", True)]
@@ -401,7 +401,7 @@ async def test_a_warm_pod_is_polled_without_api_reads_and_one_request_a_poll() -
                 live_body=_warm_pod(),
                 flashmodels=lambda ns, n: WATCHED_MODEL,
             )
-            watch.state.control_token = "token"
+            watch.context.state.control_token = "token"
             watch.shim_port = shim.port
             delays = [await watch.step() for _ in range(5)]
     finally:
@@ -409,9 +409,9 @@ async def test_a_warm_pod_is_polled_without_api_reads_and_one_request_a_poll() -
     assert cluster.reads == 0
     assert shim.requests == {"/health/poll": 5}
     assert all(d is not None and 4.5 <= d <= 5.5 for d in delays), delays
-    health = watch.state.health["qwen-abc"]
+    health = watch.context.state.health["qwen-abc"]
     assert health.livez_ok and health.readyz_failing_since is None and not health.divergence_recommended
-    assert watch.generation_seen == 1.0
+    assert watch.clocks.generation_seen == 1.0
 
 
 async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_threshold() -> None:
@@ -429,12 +429,12 @@ async def test_a_failing_readiness_is_looked_at_again_when_it_reaches_the_hung_t
                 live_body=_warm_pod(),
                 flashmodels=lambda ns, n: WATCHED_MODEL,
             )
-            watch.state.control_token = "token"
+            watch.context.state.control_token = "token"
             watch.shim_port = shim.port
             first = await watch.step()
             assert first is not None and 4.5 <= first <= 5.5
-            assert watch.readyz_failing_since is not None
-            watch.readyz_failing_since -= 8.0  # 8 s of the 10 s threshold have passed
+            assert watch.clocks.readyz_failing_since is not None
+            watch.clocks.readyz_failing_since -= 8.0  # 8 s of the 10 s threshold have passed
             second = await watch.step()
     finally:
         use(OperatorSettings())
@@ -447,7 +447,7 @@ def _held_watch(shim: ShimServer, session: aiohttp.ClientSession, spec: dict[str
     watch = PodWatch(
         NoReadsCluster(), session, "ns", "qwen-abc", "qwen-warm", live_body=_warm_pod(), flashmodels=lambda ns, n: model
     )
-    watch.state.control_token = "token"
+    watch.context.state.control_token = "token"
     watch.shim_port = shim.port
     return watch
 
@@ -480,7 +480,7 @@ async def test_a_steady_pods_poll_waits_in_the_shim_and_a_change_is_answered_at_
     # Failing readiness: polled again on its threshold (10 s) or every monitor_seconds, never held.
     assert watch.held_state is None
     # Its clock starts with the answer that showed it, not with the held poll that waited for it.
-    assert watch.readyz_failing_since is not None and watch.readyz_failing_since >= start + 0.3
+    assert watch.clocks.readyz_failing_since is not None and watch.clocks.readyz_failing_since >= start + 0.3
     assert delay is not None and 4.5 <= delay <= 5.5
     assert shim.requests["/health/poll"] == 3 and shim.requests["/livez"] == 1
 
