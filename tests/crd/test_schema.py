@@ -71,6 +71,7 @@ def test_printer_columns() -> None:
     columns = [(c["name"], c["jsonPath"]) for c in version()["additionalPrinterColumns"]]
     assert columns == [
         ("Ready", '.status.conditions[?(@.type=="Ready")].status'),
+        ("Available", '.status.conditions[?(@.type=="Available")].status'),
         ("Replicas", ".status.replicasSummary"),
         ("Accelerator", ".spec.accelerator"),
         ("Model", ".status.servedName"),
