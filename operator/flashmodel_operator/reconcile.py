@@ -21,6 +21,7 @@ from flashmodel_operator import GROUP
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.child_cache import ChildCache, PassReads
+from flashmodel_operator.condition_metrics import MODEL_CONDITIONS
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.pod_state import gate_is_standby, gate_is_true, model_state
@@ -101,6 +102,7 @@ def forget_model(namespace: str, name: str) -> None:
     for state in REPLICA_STATES:
         with contextlib.suppress(KeyError):  # never set: the model never got a pass
             MODEL_REPLICAS.remove(namespace, name, state)
+    MODEL_CONDITIONS.forget(namespace, name)
     _failing_since.pop((namespace, name), None)
 
 
@@ -108,6 +110,7 @@ def retain_models(models: set[tuple[str, str]]) -> None:
     """Drop the failure clocks of models not in `models`: a pass that failed after its model's deletion."""
     for key in [k for k in list(_failing_since) if k not in models]:
         _failing_since.pop(key, None)
+    MODEL_CONDITIONS.retain(models)
 
 
 @dataclass
@@ -646,6 +649,7 @@ def _write_status(
     current: dict[str, Any] = dict(body.get("status") or {})
     previous_conditions = current.get("conditions") or []
     conditions = build_conditions(obs, previous_conditions, _now())
+    MODEL_CONDITIONS.set(meta["namespace"], meta["name"], conditions)
     changed = not same_conditions(conditions, previous_conditions) or any(
         current.get(k) != v for k, v in new_status.items() if not (v is None and k not in current)
     )

@@ -22,6 +22,7 @@ import yaml
 from flashmodel_operator import handlers, pod_state, reconcile
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.child_cache import ChildCache
+from flashmodel_operator.condition_metrics import MODEL_CONDITIONS
 from flashmodel_operator.diffbase import HandledSpecs
 from flashmodel_operator.pod_tasks import EnginePodTasks
 from flashmodel_operator.render import MODEL_LABEL
@@ -160,6 +161,7 @@ async def test_a_thousand_models_created_and_deleted_leave_every_per_model_table
             assert {(NAMESPACE, n) for n, _ in names} <= set(pod_state.MODELS)  # the tables did fill
             assert len(handlers.HANDLED_SPECS) == batch
             assert _held_of(ours)["replica gauges"]
+            assert _held_of(ours)["condition series"]  # passes wrote their conditions
             for name, i in names:
                 await _delete(api, name, i)
         assert await asyncio.to_thread(handlers.drain_child_passes, 30.0)
@@ -270,6 +272,7 @@ def _held_of(names: set[tuple[str, str]]) -> dict[str, object]:
         "pod_state.MODELS": names & set(pod_state.MODELS),
         "reconcile pass locks": len(reconcile._locks),
         "reconcile failure clocks": names & set(reconcile._failing_since),
+        "condition series": names & MODEL_CONDITIONS.models(),
         "HANDLED_SPECS": len(handlers.HANDLED_SPECS),
         "CHILDREN": names & handlers.CHILDREN.models(),
         "FLASHMODELS": names & set(handlers.FLASHMODELS),
