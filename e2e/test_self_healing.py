@@ -419,8 +419,15 @@ def test_the_restart_budget_holds_one_more_remediation(
         time.sleep(10)
         pods = {p["metadata"]["name"]: p for p in _pods(control_plane, ns)}
         assert target in pods and _gate(pods[target]), "the held pod must stay in service"
+        # The operator has stopped acting, and the status says so.
+        degraded = wait_for("Degraded=True RestartBudgetExhausted", lambda: (
+            d := _degraded(control_plane, ns, MODEL)).get("reason") == "RestartBudgetExhausted" and d, timeout=30)
+        assert degraded["status"] == "True" and target in degraded["message"], degraded
     finally:
         kubelet.pods[target].hog_file.write_text("0")
+    # The pod's memory back: nothing is held, and Degraded clears.
+    wait_for("Degraded=False once the pod no longer needs replacing",
+             lambda: _degraded(control_plane, ns, MODEL).get("status") == "False", timeout=120, interval=1)
     assert f"maxRestartsPerHour={MAX_RESTARTS_PER_HOUR}" in held[0]["message"]
     assert "MemoryDivergence" in held[0]["message"]
     fm = get_json(control_plane, "flashmodel", MODEL, "-n", ns)
@@ -627,6 +634,9 @@ def test_pods_whose_prewarm_keeps_failing_are_evicted_one_at_a_time_within_the_b
         )
         # The other failed as well; it waits out the back-off, then the budget holds it.
         held = wait_for("the other held by the budget", budget_holds, timeout=REMEDIATION_BACKOFF_SECONDS + 60)
+        # No pod serves and the operator will not replace another: Degraded says so, not "no problem seen".
+        degraded = wait_for("Degraded=True RestartBudgetExhausted", lambda: (
+            d := _degraded(control_plane, ns, name)).get("reason") == "RestartBudgetExhausted" and d, timeout=30)
         # Where a second eviction would come (the next look, every FLASHMODEL_MONITOR_SECONDS), none does.
         time.sleep(6)
         entries = remediations()
@@ -643,10 +653,16 @@ def test_pods_whose_prewarm_keeps_failing_are_evicted_one_at_a_time_within_the_b
     assert "PrewarmFailed" in message
     held_pod = message.split()[1].rstrip(":")
     assert held_pod != evicted["pod"] and held_pod in present, f"the held pod {held_pod} must stay: {present}"
+    assert degraded["status"] == "True" and held_pod in degraded["message"], degraded
     assert operator_metric(REMEDIATED, {"reason": "PrewarmFailed"}) == replaced_before + 1
     # Neither pod ever served.
     slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={name}")["items"]
     assert not [e for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")]
+
+
+def _degraded(cp: ControlPlane, ns: str, model: str) -> dict[str, Any]:
+    fm = get_json(cp, "flashmodel", model, "-n", ns)
+    return next((c for c in (fm.get("status") or {}).get("conditions") or [] if c["type"] == "Degraded"), {})
 
 
 def _pods_of(cp: ControlPlane, ns: str, model: str) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ class ModelConditions(Collector):
         self._lock = threading.Lock()
         self._conditions: dict[tuple[str, str], tuple[tuple[str, str, str], ...]] = {}
 
-    def set(self, namespace: str, name: str, conditions: Iterable[dict[str, Any]]) -> None:
+    def record(self, namespace: str, name: str, conditions: Iterable[dict[str, Any]]) -> None:
         rows = tuple(
             (str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", ""))) for c in conditions
         )

@@ -44,6 +44,9 @@ class Observation:
     """The scheduler's reason a pod of the model is Pending (no node with a free T4, say), with the pod's name."""
     autoscaling: tuple[bool, str, str] | None = None
     """(active, reason, message) of the model's autoscaler; None without spec.autoscaling."""
+    remediation_held: Problem | None = None
+    """A pod needs replacing and the operator will not act (its restart budget is spent): Degraded says so,
+    while Ready and Available still count the pods that serve."""
 
 
 def _condition(
@@ -75,6 +78,9 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
 
     if obs.problem is not None:
         degraded = _condition(DEGRADED, True, obs.problem.reason, obs.problem.message, gen, before, now)
+    elif obs.remediation_held is not None:
+        held = obs.remediation_held
+        degraded = _condition(DEGRADED, True, held.reason, held.message, gen, before, now)
     else:
         degraded = _condition(DEGRADED, False, "AsExpected", "no problem seen", gen, before, now)
 

@@ -58,13 +58,17 @@ async def decide(ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec, now:
     )
     decision = decide_remediation(pods, budget, spec.remediation, now)
     if decision is None or decision.action == "evict":
-        ctx.state.last_hold = None
+        if ctx.state.last_hold is not None:
+            ctx.state.last_hold, ctx.state.last_hold_message = None, ""
+            ctx.request_pass()  # the status said it was held
         if decision is not None and decision.pod != ctx.name:
             return None  # that pod's own watch acts on it
         return decision
     if decision.reason != ctx.state.last_hold:
-        # A hold is news once, not every poll.
+        # A hold is news once, not every poll; the pass puts a held-for-good one into Degraded.
         ctx.state.last_hold = decision.reason
+        ctx.state.last_hold_message = f"pod {decision.pod}: {decision.message}"
+        ctx.request_pass()
         await ctx.api(
             ctx.cluster.event,
             fm,

@@ -86,8 +86,9 @@ class PodWatch:
         model: str,
         live_body: Mapping[str, Any] | None = None,
         flashmodels: FlashModelLookup | None = None,
+        request_pass: Callable[[str, str], None] | None = None,
     ) -> None:
-        self.context = PodContext(cluster, namespace, name, model, model_state(namespace, model))
+        self.context = PodContext(cluster, namespace, name, model, model_state(namespace, model), request_pass)
         """What the steps (prewarm, the standby gate, eviction) get: the pod, its model's memory, the API."""
         self.clocks = PodClocks()
         self.live_body = live_body

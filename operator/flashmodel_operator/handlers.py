@@ -64,7 +64,16 @@ async def watch_engine_pod(namespace: str, name: str, body: dict[str, Any], stop
     model = model_of(dict((body.get("metadata") or {}).get("labels") or {}))
     if model is None:
         return
-    watch = PodWatch(cluster(), shim_session(), namespace, name, model, live_body=body, flashmodels=cached_flashmodel)
+    watch = PodWatch(
+        cluster(),
+        shim_session(),
+        namespace,
+        name,
+        model,
+        live_body=body,
+        flashmodels=cached_flashmodel,
+        request_pass=reconcile_for_child,
+    )
     await watch.run(stopped)
 
 

@@ -22,8 +22,17 @@ T = TypeVar("T")
 class PodContext:
     """One engine pod as its watch's steps see it."""
 
-    def __init__(self, cluster: Cluster, namespace: str, name: str, model: str, state: ModelState) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        namespace: str,
+        name: str,
+        model: str,
+        state: ModelState,
+        request_pass: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.cluster = cluster
+        self._request_pass = request_pass
         self.namespace = namespace
         self.name = name
         """The pod's name."""
@@ -35,6 +44,11 @@ class PodContext:
         """The pod's config hash (which spec it runs), from its annotation."""
         self.gate_written: bool | None = None
         """The gate value last written; the watch stream may not show it yet."""
+
+    def request_pass(self) -> None:
+        """Ask for a pass of the model: what the pod watch learned changes its status (a remediation held)."""
+        if self._request_pass is not None:
+            self._request_pass(self.namespace, self.model)
 
     async def api(self, fn: Callable[..., T], *args: Any) -> T:
         # The API client is synchronous; keep the event loop free for the other pods.

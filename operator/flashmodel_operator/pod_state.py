@@ -56,6 +56,8 @@ class ModelState:
     in_flight: str | None = None
     last_remediation: float | None = None
     last_hold: str | None = None
+    """The reason the model's remediation is held now (RestartBudgetExhausted, BackingOff, ...), if it is."""
+    last_hold_message: str = ""
     written: list[dict[str, Any]] | None = None
     control_token: str | None = None
     """The model's `<name>-shim` token, which the shims require on POST /prewarm."""

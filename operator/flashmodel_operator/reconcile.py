@@ -24,6 +24,7 @@ from flashmodel_operator.child_cache import ChildCache, PassReads
 from flashmodel_operator.condition_metrics import MODEL_CONDITIONS
 from flashmodel_operator.conditions import Observation, Problem, build_conditions, same_conditions
 from flashmodel_operator.model import FlashModel, FlashModelSpec
+from flashmodel_operator.pod_state import MODELS as POD_MEMORY
 from flashmodel_operator.pod_state import gate_is_standby, gate_is_true, model_state
 from flashmodel_operator.render import (
     CONFIG_HASH_ANNOTATION,
@@ -429,6 +430,21 @@ def _apply_children(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome:
             cluster.event(body, "Normal", "Applied", ", ".join(applied_events))
 
 
+HELD_FOR_GOOD = frozenset({"RestartBudgetExhausted"})
+"""Remediation holds that last until an operator acts (the others end by themselves: a backoff, a pod starting)."""
+
+
+def _remediation_held(namespace: str, name: str) -> Problem | None:
+    state = POD_MEMORY.get((namespace, name))  # not model_state(): a pass must not make an entry
+    if state is None or state.last_hold not in HELD_FOR_GOOD:
+        return None
+    return Problem(
+        state.last_hold,
+        f"{state.last_hold_message}; the operator replaces no pod until the oldest remediation in "
+        "status.remediations is an hour old, or spec.remediation.maxRestartsPerHour is raised",
+    )
+
+
 def _observe(cluster: Cluster, body: dict[str, Any], plan: Plan, scaler: ScalerState | None, outcome: Outcome) -> None:
     """The pass's view of the model's pods and Deployment after its writes, into the status and the gauges."""
     fm = plan.parsed.fm
@@ -462,6 +478,7 @@ def _observe(cluster: Cluster, body: dict[str, Any], plan: Plan, scaler: ScalerS
         problem=plan.problem,
         unschedulable=unschedulable(current_pods),
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
+        remediation_held=_remediation_held(ns, name),
     )
     was_unschedulable = any(
         c.get("type") == "Ready" and c.get("reason") == "Unschedulable" for c in status.get("conditions") or []
@@ -649,7 +666,7 @@ def _write_status(
     current: dict[str, Any] = dict(body.get("status") or {})
     previous_conditions = current.get("conditions") or []
     conditions = build_conditions(obs, previous_conditions, _now())
-    MODEL_CONDITIONS.set(meta["namespace"], meta["name"], conditions)
+    MODEL_CONDITIONS.record(meta["namespace"], meta["name"], conditions)
     changed = not same_conditions(conditions, previous_conditions) or any(
         current.get(k) != v for k, v in new_status.items() if not (v is None and k not in current)
     )

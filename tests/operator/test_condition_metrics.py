@@ -21,7 +21,7 @@ def _series(conditions: ModelConditions) -> set[tuple[tuple[str, str], ...]]:
 
 def test_one_series_per_condition_with_its_status_and_reason_and_none_after_the_model_goes() -> None:
     conditions = ModelConditions()
-    conditions.set(
+    conditions.record(
         "ml",
         "qwen",
         [
@@ -29,7 +29,7 @@ def test_one_series_per_condition_with_its_status_and_reason_and_none_after_the_
             {"type": "Autoscaling", "status": "False", "reason": "ScalerUnavailable", "message": "no Prometheus"},
         ],
     )
-    conditions.set("ml", "phi", [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}])
+    conditions.record("ml", "phi", [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}])
     assert _series(conditions) == {
         (
             ("flashmodel", "qwen"),
@@ -54,7 +54,7 @@ def test_one_series_per_condition_with_its_status_and_reason_and_none_after_the_
         ),
     }
     # A new pass replaces the model's series: the old reason is gone, not left beside the new one.
-    conditions.set("ml", "qwen", [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}])
+    conditions.record("ml", "qwen", [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}])
     assert {dict(s)["reason"] for s in _series(conditions) if dict(s)["flashmodel"] == "qwen"} == {"AllReplicasReady"}
     conditions.forget("ml", "qwen")
     conditions.retain({("other", "x")})

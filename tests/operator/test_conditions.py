@@ -61,3 +61,33 @@ def test_no_serving_pod_is_not_available_and_says_why() -> None:
     assert available["message"] == "no pod serves yet: 1 ready, 0 prewarmed; pod qwen-b: 0/4 nodes have a free T4"
     idle = _available(Observation(generation=1, desired_replicas=0))
     assert (idle["status"], idle["reason"]) == ("False", "ScaledToZero")
+
+
+def test_a_remediation_held_by_the_budget_is_degraded_while_ready_still_counts_the_serving_pods() -> None:
+    from flashmodel_operator.conditions import Problem
+
+    held = Problem("RestartBudgetExhausted", "pod qwen-a: 2 remediations in the last hour reach ...")
+    obs = Observation(generation=1, desired_replicas=2, replicas=2, ready_replicas=2, updated_replicas=2,
+                      prewarmed_replicas=2, deployment_generation_observed=True, remediation_held=held)
+    conditions = {c["type"]: c for c in build_conditions(obs, [], "2026-01-01T00:00:00Z")}
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("True", "RestartBudgetExhausted")
+    assert conditions["Degraded"]["message"] == held.message
+    assert conditions["Ready"]["status"] == "True" and conditions["Available"]["status"] == "True"
+    assert conditions["Progressing"]["reason"] == "RolloutComplete"
+
+
+def test_only_a_hold_that_lasts_reaches_the_status() -> None:
+    from flashmodel_operator import pod_state, reconcile
+
+    state = pod_state.model_state("ml", "held")
+    try:
+        state.last_hold, state.last_hold_message = "BackingOff", "pod held-a: last remediation 20s ago"
+        assert reconcile._remediation_held("ml", "held") is None
+        state.last_hold, state.last_hold_message = "RestartBudgetExhausted", "pod held-a: 2 remediations ..."
+        problem = reconcile._remediation_held("ml", "held")
+        assert problem is not None and problem.reason == "RestartBudgetExhausted"
+        assert problem.message.startswith("pod held-a: 2 remediations ...; the operator replaces no pod until")
+        assert reconcile._remediation_held("ml", "never-seen") is None
+        assert ("ml", "never-seen") not in pod_state.MODELS
+    finally:
+        pod_state.forget("ml", "held")

@@ -216,9 +216,10 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
     spec = FlashModelSpec.model_validate(cluster.fm["spec"])
     pod: dict[str, Any] = {"metadata": {"name": "qwen-a", "namespace": "ns-budget"}, "status": {}}
     shim = FailingShim()
+    passes: list[tuple[str, str]] = []
     async with aiohttp.ClientSession() as session:
-        a = PodWatch(cluster, session, "ns-budget", "qwen-a", "qwen")
-        b = PodWatch(cluster, session, "ns-budget", "qwen-b", "qwen")
+        a = PodWatch(cluster, session, "ns-budget", "qwen-a", "qwen", request_pass=lambda *key: passes.append(key))
+        b = PodWatch(cluster, session, "ns-budget", "qwen-b", "qwen", request_pass=lambda *key: passes.append(key))
         for watch in (a, b):
             for _ in range(PREWARM_ATTEMPTS + 3):
                 delay = await prewarm(watch.context, watch.clocks, pod, cluster.fm, spec, shim)
@@ -227,6 +228,10 @@ async def test_pods_whose_prewarm_keeps_failing_are_replaced_within_the_budget_o
     assert shim.prewarms == 2 * PREWARM_ATTEMPTS  # once failed for good, a pod waits instead of prewarming
     held = [m for r, m in cluster.events if r == "RemediationHeld"]
     assert held and "RestartBudgetExhausted" in held[0]
+    # The hold is the model's news: one pass asked for, which puts it into Degraded (held message kept).
+    assert passes == [("ns-budget", "qwen")]
+    assert a.context.state.last_hold == "RestartBudgetExhausted"
+    assert a.context.state.last_hold_message.startswith("pod qwen-")
 
     # With budget left, one pod goes, and the next waits for the back-off.
     cluster.fm["status"]["remediations"] = []
