@@ -366,6 +366,8 @@ def _pod_spec(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token for a model's code to find and use.
+        "automountServiceAccountToken": False,
     }
     # The profile's keys win: a user selector for other GPUs would put a T4 engine where it cannot run.
     node_selector = {**spec.node_selector, **profile.node_selector}
@@ -817,4 +819,19 @@ def _enforce_pod_spec(base_spec: dict[str, Any], spec: dict[str, Any]) -> list[s
             tolerations = [toleration, *tolerations]
     if tolerations:
         spec["tolerations"] = tolerations
+    problems += _enforce_no_api_token(spec)
+    return problems
+
+
+def _enforce_no_api_token(spec: dict[str, Any]) -> list[str]:
+    """No service-account token in the engine pod: the model's code (remote code included) runs there."""
+    problems: list[str] = []
+    for key in ("serviceAccountName", "serviceAccount"):
+        if spec.pop(key, None) not in (None, "", "default"):
+            problems.append(f"{_WHERE} sets {key}: the engine pod calls no Kubernetes API and gets no account "
+                            "of its own; remove it from the patch")
+    if spec.get("automountServiceAccountToken") is not False:
+        problems.append(f"{_WHERE} mounts a service-account token: the engine pod calls no Kubernetes API; "
+                        "remove automountServiceAccountToken from the patch")
+        spec["automountServiceAccountToken"] = False
     return problems

@@ -200,6 +200,10 @@ ENFORCED_PATCHES: list[tuple[dict[str, Any], str]] = [
      "changes the engine container's env HF_HOME"),
     ({"spec": {"containers": [{"name": "engine", "env": [{"name": "HF_HUB_CACHE", "value": "/tmp/hub"}]}]}},
      "set spec.model.hub.cache instead"),
+    ({"spec": {"automountServiceAccountToken": True}}, "mounts a service-account token"),
+    ({"spec": {"automountServiceAccountToken": None}}, "mounts a service-account token"),
+    ({"spec": {"serviceAccountName": "cluster-admin-sa"}}, "sets serviceAccountName"),
+    ({"spec": {"serviceAccount": "cluster-admin-sa"}}, "sets serviceAccount"),
 ]
 
 
@@ -218,6 +222,8 @@ def test_a_patch_cannot_change_the_enforced_pod(patch: dict[str, Any], problem: 
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert {"conditionType": PREWARM_GATE} in template["spec"]["readinessGates"]
     assert template["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "Tesla-T4"
+    assert template["spec"]["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in template["spec"] and "serviceAccount" not in template["spec"]
     paths = [m["mountPath"] for m in engine["volumeMounts"]]
     assert len(paths) == len(set(paths))
     assert all(m in engine["volumeMounts"] for m in want["volumeMounts"])
