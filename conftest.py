@@ -27,7 +27,7 @@ import pytest
 
 from e2e.harness.cluster import ControlPlane, missing_binaries, testbin_dir
 from e2e.harness.kubelet import engine_python as engine_venv_python
-from tests.support.parts import missing_part
+from tests.support.parts import engine_venv_problem, missing_part
 
 TIERS = ("unit", "control-plane", "engine", "e2e")
 CONTROL_PLANE_FIXTURES = frozenset({"testbin"})
@@ -197,8 +197,9 @@ def engine_packages() -> None:
 def engine_python() -> str:
     """The engine venv's Python, for engines started as subprocesses (EngineKubelet, the demo, the SLO bench)."""
     python = engine_venv_python()
-    if not Path(python).exists():
-        missing_part(f"no engine venv at {Path(python).parents[1]}: run scripts/setup-engine.sh")
+    problem = engine_venv_problem(python)
+    if problem is not None:
+        missing_part(problem)
     return python
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flashmodel_operator import heap, settings
+from flashmodel_operator import engine_image, heap, settings
 
 
 def main() -> None:
@@ -18,6 +18,7 @@ def main() -> None:
     # --standalone); this entry point only pins which module holds the handlers.
     try:
         settings.load()  # once, before kopf imports the handlers, which take their timings from it
+        engine_image.load()
     except ValueError as exc:
         sys.exit(f"flashmodel-operator: {exc}")
     heap.tune_collector()

@@ -225,9 +225,14 @@ class EngineSpec(_Spec):
         ),
     }
 
-    image: Annotated[str, Field(min_length=1, max_length=1024)] = Field(
-        default="ghcr.io/flashmodel/engine:0.1.0",
-        description="The engine image (vLLM + flashmodel_engine).",
+    # No default: the cluster's image comes from the operator's configuration (engine_image.py).
+    image: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+        default=None,
+        description=(
+            "An engine image (vLLM + flashmodel_engine) other than the cluster's, which the operator's "
+            "configuration sets (the chart's engineImage). Allowed only where the cluster admin lists it in "
+            "engineImage.allowed: the image's launcher is what enforces the profile. Absent: the cluster's."
+        ),
     )
     # The engine's definitions (flashmodel_engine.config.EngineSettings) with the CRD's defaults: those
     # of the default accelerator's profile. Fields without one are the profile's to decide per card

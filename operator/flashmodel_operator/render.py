@@ -21,7 +21,7 @@ from flashmodel_engine.contract import (
 )
 from pydantic import BaseModel
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION
+from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION, engine_image
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.placement import PodProfile, pod_profile
@@ -317,7 +317,7 @@ def _engine_container(
     health = fm.spec.health
     return {
         "name": "engine",
-        "image": fm.spec.engine.image,
+        "image": engine_image.current().choose(fm.spec.engine.image)[0],
         "command": ["python", "-m", "flashmodel_engine", "launch", "--config", CONFIG_FILE],
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
@@ -369,6 +369,9 @@ def _pod_spec(
         # The engine never calls the Kubernetes API: no token for a model's code to find and use.
         "automountServiceAccountToken": False,
     }
+    pull_secrets = engine_image.current().pull_secrets
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in pull_secrets]
     # The profile's keys win: a user selector for other GPUs would put a T4 engine where it cannot run.
     node_selector = {**spec.node_selector, **profile.node_selector}
     if node_selector:
@@ -417,6 +420,9 @@ def render_pod(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
 def _spec_problems(fm: FlashModel) -> list[str]:
     profile = pod_profile(fm.spec.accelerator)
     problems = []
+    _, image_problem = engine_image.current().choose(fm.spec.engine.image)
+    if image_problem is not None:
+        problems.append(image_problem)
     limits = (fm.spec.resources.get("limits") or {}) if isinstance(fm.spec.resources, dict) else {}
     requests = (fm.spec.resources.get("requests") or {}) if isinstance(fm.spec.resources, dict) else {}
     for resource, amount in profile.limits.items():
@@ -633,6 +639,8 @@ def _merge_list(base: list[Any], patch: list[Any], path: tuple[str, ...], key: s
 
 # What of the pod the operator and the engine rely on, and why, for the refusal messages.
 _ENFORCED_CONTAINER_FIELDS = {
+    "image": "its launcher is what enforces the profile; the cluster admin allows others (engineImage.allowed), "
+    "which spec.engine.image may name",
     "command": "it starts the launcher, which enforces the profile",
     "args": "the launcher takes its settings from the engine config, not from arguments",
     "startupProbe": "the health shim's probes are how the operator knows the engine state",

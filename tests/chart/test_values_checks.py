@@ -96,3 +96,31 @@ def test_metrics_disabled_turns_the_operators_endpoint_off_and_enabled_sets_its_
     assert _env(render())["FLASHMODEL_METRICS_PORT"] == "0"
     assert _env(render("metrics.enabled=true", "metrics.port=9100"))["FLASHMODEL_METRICS_PORT"] == "9100"
     assert "metrics" not in {p["name"] for p in container(render())["ports"]}
+
+
+def test_the_engine_image_is_the_operators_configuration() -> None:
+    env = _env(render())
+    assert env["FLASHMODEL_ENGINE_IMAGE"] == "ghcr.io/flashmodel/engine:0.1.0"
+    assert "FLASHMODEL_ALLOWED_ENGINE_IMAGES" not in env and "FLASHMODEL_ENGINE_IMAGE_PULL_SECRETS" not in env
+    env = _env(
+        render(
+            "engineImage.repository=registry.example.com/ml/engine",
+            "engineImage.tag=0.2.0",
+            f"engineImage.digest={DIGEST}",
+            "engineImage.allowed={a.example/x:1,b.example/y:2}",
+            "engineImage.pullSecrets={regcred,mirror}",
+        )
+    )
+    assert env["FLASHMODEL_ENGINE_IMAGE"] == f"registry.example.com/ml/engine:0.2.0@{DIGEST}"
+    assert env["FLASHMODEL_ALLOWED_ENGINE_IMAGES"] == "a.example/x:1,b.example/y:2"
+    assert env["FLASHMODEL_ENGINE_IMAGE_PULL_SECRETS"] == "regcred,mirror"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("allowed", ["a.example/x:1,b.example/y:2"]), ("pullSecrets", ["Reg_Cred"])]
+)
+def test_the_schema_refuses_an_engine_image_list_entry_of_the_wrong_form(key: str, value: list[str]) -> None:
+    values = _values()
+    values["engineImage"][key] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(_schema()).validate(values)

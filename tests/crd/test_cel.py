@@ -379,9 +379,9 @@ def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace:
         "accelerator": "t4",
         "replicas": 1,
         "standbyReplicas": 0,
-        # blockSize and dtype stay unset: their defaults depend on the accelerator (the profile's).
+        # blockSize and dtype stay unset: their defaults depend on the accelerator (the profile's); the
+        # image too: the cluster's comes from the operator's configuration, not from each stored object.
         "engine": {
-            "image": "ghcr.io/flashmodel/engine:0.1.0",
             "gpuMemoryUtilization": 0.85,
             "maxNumSeqs": 256,
             "maxModelLen": 4096,

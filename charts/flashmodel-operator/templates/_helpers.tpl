@@ -70,6 +70,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
+{{- define "flashmodel-operator.engineImage" -}}
+{{- printf "%s:%s" .Values.engineImage.repository (default .Chart.AppVersion .Values.engineImage.tag) }}
+{{- with .Values.engineImage.digest }}@{{ . }}{{ end }}
+{{- end }}
+
 {{/*
 A resource quantity (cpu or memory, e.g. 500m, 0.5, 128Mi, 1G) as a number of base units, for
 comparing a request with its limit; the values schema has already checked the form.
