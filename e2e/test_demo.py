@@ -35,7 +35,9 @@ def test_objects_only_shows_every_example_and_its_children() -> None:
              for d in yaml.safe_load_all(f.read_text()) if d and d.get("kind") == "FlashModel"]
     assert {"qwen-chat", "qwen-mini", "tiny-cpu", "llama-gated"} <= set(names)
     for name in names:
-        assert re.search(rf"^{name}\s+(True|False)\s+(True|False)\s+\d/\d\s+(t4|cpu)\s", out, re.MULTILINE), (name, out[-4000:])
+        # NAME READY AVAILABLE REPLICAS ACCELERATOR ...
+        row = rf"^{name}\s+(True|False)\s+(True|False)\s+\d/\d\s+(t4|cpu)\s"
+        assert re.search(row, out, re.MULTILINE), (name, out[-4000:])
         assert f"deployment.apps/{name}" in out and f"service/{name}" in out, out[-4000:]
         assert re.search(rf"^  {name}: --model \S+", out, re.MULTILINE), out[-4000:]
     # Every example pod was placed on a fake T4 node before the listing.
