@@ -66,7 +66,7 @@ def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_req
     # is Ready 1/1, and the model answered.
     assert re.search(r"gate serving\.flashmodel\.io/prewarmed: .* -> True \(PrewarmSucceeded", out), out[-6000:]
     assert re.search(r"gate serving\.flashmodel\.io/prewarmed: .* -> False \(Standby: ", out), out[-6000:]
-    assert re.search(rf"^{MODEL}\s+True\s+1/1\s+cpu\s+{MODEL}\s", out, re.MULTILINE), out[-6000:]
+    assert re.search(rf"^{MODEL}\s+True\s+True\s+1/1\s+cpu\s+{MODEL}\s", out, re.MULTILINE), out[-6000:]
     rows = re.findall(r"^  (\S+)\s+True\s+(serving|standby)\s+([\d.]+) ms\s+([\d.]+) ms$", out, re.MULTILINE)
     assert sorted(role for _, role, _, _ in rows) == ["serving", "standby"], rows
     assert all(float(c) > 0 and float(w) > 0 for _, _, c, w in rows), rows
