@@ -292,7 +292,9 @@ def test_metrics_pass_vllm_through_with_real_values(engine: LaunchedEngine) -> N
     # core (eager: no compile, no graph capture, no graph pool).
     engine_init = metric(text, "flashmodel_startup_seconds", 'phase="engine_init"')
     assert 0 < engine_init < metric(text, "flashmodel_startup_seconds", 'phase="engine_load"')
-    assert metric(text, "flashmodel_startup_seconds", 'phase="weights"') > 0
+    # The tiny model's weights load in under the 0.01 s vLLM rounds to: present, not necessarily > 0.
+    assert 'flashmodel_startup_seconds{phase="weights"}' in text
+    assert metric(text, "flashmodel_startup_seconds", 'phase="weights"') >= 0
     assert metric(text, "flashmodel_startup_seconds", 'phase="engine_init_other"') == engine_init
     assert 'phase="graph_capture"' not in text
     assert metric(text, "flashmodel_startup_graph_memory_bytes") == 0
