@@ -168,12 +168,7 @@ async def test_a_thousand_models_created_and_deleted_leave_every_per_model_table
         assert api.dropped > 100
         # The late events' leftovers go at the resync's next look at the fleet: 0.2 s once the fleet is
         # empty, after it has walked the list it took before the last deletions (0.2 s a model).
-        left: dict[str, object] = {}
-        for _ in range(400):
-            left = _held_of(ours)
-            if not any(left.values()):
-                break
-            await asyncio.sleep(0.1)
+        left = await _emptied(ours, tries=400)
     finally:
         resync.cancel()
         await handlers.ENGINE_PODS.stop_all()
@@ -250,17 +245,23 @@ async def test_models_created_and_deleted_on_a_real_api_server_leave_every_per_m
             await engine_pod(body=_body(pod), type="DELETED")
             on_pod(body=_body(pod), namespace=ns, type="DELETED")
         assert await asyncio.to_thread(handlers.drain_child_passes, 30.0)
-        left: dict[str, object] = {}
-        for _ in range(200):
-            left = _held_of(names)
-            if not any(left.values()):
-                break
-            await asyncio.sleep(0.1)
+        left = await _emptied(names, tries=200)
     finally:
         resync.cancel()
         await handlers.ENGINE_PODS.stop_all()
         api.close()  # type: ignore[no-untyped-call]
     assert not any(left.values()), left
+
+
+async def _emptied(names: set[tuple[str, str]], tries: int) -> dict[str, object]:
+    """What the tables still hold of `names` once they are empty, or after `tries` looks 0.1 s apart."""
+    left = _held_of(names)
+    for _ in range(tries):
+        if not any(left.values()):
+            break
+        await asyncio.sleep(0.1)
+        left = _held_of(names)
+    return left
 
 
 def _held_of(names: set[tuple[str, str]]) -> dict[str, object]:
