@@ -120,46 +120,78 @@ class EngineSettings(_Strict):
 
 
 class PrewarmSettings(_Strict):
-    """Warm-up requests run before the pod takes traffic."""
+    """Warm-up requests a pod must answer before it takes traffic.
 
-    enabled: bool = Field(default=True, description="Whether /readyz waits for a successful prewarm.")
-    requests: int = Field(default=5, ge=1, le=100, description="How many warm-up requests.")
-    prompts: list[str] = Field(default_factory=list, description="Warm-up prompts; empty: built-in prompts.")
-    max_tokens: int = Field(default=16, ge=1, le=4096, description="max_tokens of each warm-up request.")
-    timeout_seconds: float = Field(default=120, gt=0, description="Deadline for the whole prewarm.")
+    The one definition of each prewarm, health and remediation field: the operator's spec
+    (flashmodel_operator.model) takes type, bounds and description from here, narrowing a bound
+    only where a FlashModel may set less than the engine reads.
+    """
+
+    enabled: bool = Field(
+        default=True, description="Whether a pod waits for a successful prewarm before it gets traffic."
+    )
+    requests: int = Field(
+        default=5, ge=1, le=100,
+        description="Number of warm-up requests (five fix the slow first requests after start).",
+    )
+    prompts: list[Annotated[str, Field(max_length=8192)]] = Field(
+        default_factory=list, max_length=32, description="Warm-up prompts; empty means the engine's built-in prompts."
+    )
+    max_tokens: int = Field(default=16, ge=1, le=4096, description="The max_tokens of each warm-up request, in tokens.")
+    timeout_seconds: float = Field(
+        default=120, gt=0, le=3600,
+        description="Deadline for the whole prewarm, in seconds; past it the pod stays out of the Service.",
+    )
 
 
 class HealthSettings(_Strict):
-    """Probe behaviour of the shim."""
+    """Deadlines for the health shim's probes."""
 
     readiness_deadline_seconds: float = Field(
-        default=5, gt=0, description="The one-token readiness generation must finish within this."
+        default=5, gt=0, le=300,
+        description="Seconds within which the one-token generation behind /readyz must finish.",
     )
     readiness_cache_seconds: float = Field(
-        default=5, ge=0, description="A readiness answer is reused this long (probes must not load the engine)."
+        default=5, ge=0, le=300,
+        description="Seconds a /readyz result is reused, so probes do not load the engine; 0 means never.",
     )
     startup_timeout_seconds: float = Field(
-        default=900, gt=0, description="Give up (exit non-zero) when vLLM has not loaded within this."
+        default=900, gt=0, le=7200,
+        description="Seconds model loading may take before the pod is restarted.",
     )
 
 
 class RemediationSettings(_Strict):
-    """Thresholds of the memory-divergence and hung-readiness signals."""
+    """When a pod's memory diverges or its generation hangs, and how often the operator may replace it."""
 
-    enabled: bool = Field(default=True, description="Whether remediation_recommended may turn 1.")
+    enabled: bool = Field(default=True, description="Whether the operator replaces pods on its own.")
     divergence_ratio: float = Field(
-        default=0.10, gt=0, le=1, description="Memory above the post-prewarm baseline, as a fraction of total."
+        default=0.10, gt=0, le=1,
+        description=(
+            "GPU memory above the post-prewarm baseline, as a fraction of the total, that counts as divergence."
+        ),
     )
     divergence_window_seconds: float = Field(
-        default=300, ge=0, description="The divergence must be sustained this long before it counts."
+        default=300, ge=0, le=86400, description="Seconds divergence must last before it counts."
     )
     low_kv_cache_usage: float = Field(
         default=0.5, ge=0, le=1, alias="lowKVCacheUsage",
-        description="Divergence only counts while KV-cache usage is below this.",
+        description=(
+            "Divergence counts only while vLLM's KV-cache usage, a fraction 0..1, is below this (a full cache "
+            "explains the memory)."
+        ),
     )
-    max_restarts_per_hour: int = Field(default=2, ge=0, description="Operator's restart budget (not used here).")
+    # The operator's alone: the engine reports divergence, the operator spends the budget.
+    max_restarts_per_hour: int = Field(
+        default=2, ge=0, le=60,
+        description=(
+            "The restart budget per FlashModel, in pod evictions per hour (a sliding hour); 0 records the "
+            "decision but evicts nothing."
+        ),
+    )
     hung_readiness_seconds: float = Field(
-        default=120, gt=0, description="/readyz failing this long while /livez is fine => remediate."
+        default=120, gt=0, le=3600,
+        description="Seconds of /readyz failing while /livez is fine that mean generation hangs; the pod is replaced.",
     )
 
 

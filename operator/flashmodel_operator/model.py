@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from flashmodel_engine.config import Accelerator, ArgText, AttentionBackend, Dtype, EngineSettings
+from flashmodel_engine.config import (
+    Accelerator,
+    ArgText,
+    AttentionBackend,
+    Dtype,
+    EngineSettings,
+    HealthSettings,
+    PrewarmSettings,
+    RemediationSettings,
+)
 from flashmodel_engine.profiles import PROFILES
 
 # spec.model.quantization's values: the engine's table is the one list (the CRD's enum is generated from it).
@@ -254,113 +263,40 @@ class EngineSpec(_Spec):
     extra_args: list[ArgText] = engine_field(EngineSettings, "extra_args")
 
 
+# The engine's definitions (flashmodel_engine.config), read by the pod's launcher and shim. The spec
+# takes whole seconds, and floors where a shorter value would make a real pod flap: the engine's own
+# tests run with windows of a few seconds.
 class PrewarmSpec(_Spec):
     """Warm-up requests a pod must answer before it takes traffic."""
 
-    enabled: bool = Field(
-        default=True,
-        description="Whether a pod waits for a successful prewarm before it gets traffic.",
-    )
-    requests: int = Field(
-        default=5,
-        ge=1,
-        le=100,
-        description="Number of warm-up requests (five fix the slow first requests after start). Default 5.",
-    )
-    prompts: list[Annotated[str, Field(max_length=8192)]] = Field(
-        default_factory=list,
-        max_length=32,
-        description="Warm-up prompts; empty means the engine's built-in prompts.",
-    )
-    max_tokens: int = Field(
-        default=16,
-        ge=1,
-        le=4096,
-        description="The max_tokens of each warm-up request, in tokens. Default 16.",
-    )
-    timeout_seconds: int = Field(
-        default=120,
-        ge=1,
-        le=3600,
-        description=(
-            "Deadline for the whole prewarm, in seconds; past it the pod stays out of the Service. Default 120."
-        ),
-    )
+    enabled: bool = engine_field(PrewarmSettings, "enabled")
+    requests: int = engine_field(PrewarmSettings, "requests")
+    prompts: list[Annotated[str, Field(max_length=8192)]] = engine_field(PrewarmSettings, "prompts")
+    max_tokens: int = engine_field(PrewarmSettings, "max_tokens")
+    timeout_seconds: int = engine_field(PrewarmSettings, "timeout_seconds", ge=1)
 
 
 class HealthSpec(_Spec):
     """Deadlines for the health shim's probes."""
 
-    readiness_deadline_seconds: int = Field(
-        default=5,
-        ge=1,
-        le=300,
-        description="Seconds within which the one-token generation behind /readyz must finish. Default 5.",
-    )
-    readiness_cache_seconds: int = Field(
-        default=5,
-        ge=0,
-        le=300,
-        description="Seconds a /readyz result is reused, so probes do not load the engine; 0 means never. Default 5.",
-    )
-    startup_timeout_seconds: int = Field(
-        default=900,
-        ge=30,
-        le=7200,
-        description="Seconds model loading may take before the pod is restarted. Default 900.",
-    )
+    readiness_deadline_seconds: int = engine_field(HealthSettings, "readiness_deadline_seconds", ge=1)
+    readiness_cache_seconds: int = engine_field(HealthSettings, "readiness_cache_seconds")
+    # Below 30 s not even a tiny model's engine starts; the pod would be restarted forever.
+    startup_timeout_seconds: int = engine_field(HealthSettings, "startup_timeout_seconds", ge=30)
 
 
 class RemediationSpec(_Spec):
     """When and how often the operator may replace a pod whose memory diverges or whose generation hangs."""
 
-    enabled: bool = Field(
-        default=True,
-        description="Whether the operator replaces pods on its own.",
-    )
-    divergence_ratio: float = Field(
-        default=0.10,
-        ge=0.01,
-        le=1,
-        description=(
-            "GPU memory above the post-prewarm baseline, as a fraction of the total, that counts as "
-            "divergence. Default 0.1."
-        ),
-    )
-    divergence_window_seconds: int = Field(
-        default=300,
-        ge=10,
-        le=86400,
-        description="Seconds divergence must last before it counts. Default 300.",
-    )
-    low_kv_cache_usage: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        alias="lowKVCacheUsage",
-        description=(
-            "Divergence counts only while vLLM's KV-cache usage, a fraction 0..1, is below this (a full cache "
-            "explains the memory). Default 0.5."
-        ),
-    )
-    max_restarts_per_hour: int = Field(
-        default=2,
-        ge=0,
-        le=60,
-        description=(
-            "The restart budget per FlashModel, in pod evictions per hour (a sliding hour); 0 records the "
-            "decision but evicts nothing. Default 2."
-        ),
-    )
-    hung_readiness_seconds: int = Field(
-        default=120,
-        ge=10,
-        le=3600,
-        description=(
-            "Seconds of /readyz failing while /livez is fine that mean generation hangs; the pod is replaced. "
-            "Default 120."
-        ),
-    )
+    enabled: bool = engine_field(RemediationSettings, "enabled")
+    # Below 1 % the allocator's own variation after prewarm would count as divergence.
+    divergence_ratio: float = engine_field(RemediationSettings, "divergence_ratio", ge=0.01)
+    # The shim samples memory every few seconds: a shorter window is one sample.
+    divergence_window_seconds: int = engine_field(RemediationSettings, "divergence_window_seconds", ge=10)
+    low_kv_cache_usage: float = engine_field(RemediationSettings, "low_kv_cache_usage")
+    max_restarts_per_hour: int = engine_field(RemediationSettings, "max_restarts_per_hour")
+    # Probes fail for seconds under a burst; only a longer failure means a hung generation.
+    hung_readiness_seconds: int = engine_field(RemediationSettings, "hung_readiness_seconds", ge=10)
 
 
 class AutoscalingSpec(_Spec):

@@ -20,11 +20,16 @@ _BOUNDS: dict[type[Any], str] = {
 }
 
 
-def engine_field(section: type[BaseModel], name: str, *, default: Any = PydanticUndefined) -> Any:
+def engine_field(
+    section: type[BaseModel], name: str, *, default: Any = PydanticUndefined, **narrower: int | float
+) -> Any:
     """The engine field `section.name` as a spec field: its bounds and description, and the CRD's default.
 
     Without `default` the engine's own applies (None: the accelerator profile decides). A number's
     default is said at the end of its description, since `kubectl explain` shows no defaults.
+    `narrower` bounds (ge, le, ...) replace the engine's where the spec allows less than the engine
+    accepts (the engine's tests run with windows of seconds a FlashModel must not set); each must be
+    at least as strict as the engine's, so every spec value stays a value the engine reads.
     """
     source = section.model_fields[name]
     bounds: dict[str, Any] = {}
@@ -33,6 +38,13 @@ def engine_field(section: type[BaseModel], name: str, *, default: Any = Pydantic
         if keyword is None:
             raise TypeError(f"{section.__name__}.{name}: constraint {constraint!r} has no CRD form")
         bounds[keyword] = getattr(constraint, keyword)
+    for keyword, value in narrower.items():
+        if not _at_least_as_strict(keyword, value, bounds):
+            raise ValueError(f"{section.__name__}.{name}: {keyword}={value} allows what the engine refuses ({bounds})")
+        bounds.pop({"ge": "gt", "gt": "ge", "le": "lt", "lt": "le"}.get(keyword, ""), None)
+        bounds[keyword] = value
+    if source.alias is not None:
+        bounds["alias"] = source.alias
     description = source.description
     if description is None:
         raise TypeError(f"{section.__name__}.{name} has no description; the CRD shows it")
@@ -40,6 +52,17 @@ def engine_field(section: type[BaseModel], name: str, *, default: Any = Pydantic
         if source.default_factory is not None:
             return Field(default_factory=source.default_factory, description=description, **bounds)
         default = source.default
-    elif isinstance(default, (int, float)) and not isinstance(default, bool):
-        description = f"{description} Default {default}."
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        description = f"{description} Default {default:g}."
     return Field(default=default, description=description, **bounds)
+
+
+def _at_least_as_strict(keyword: str, value: float, bounds: dict[str, Any]) -> bool:
+    """Whether the spec bound `keyword=value` admits only values the engine's `bounds` admit too."""
+    if keyword in ("ge", "gt"):
+        floor = [(bounds[k], k) for k in ("ge", "gt") if k in bounds]
+        return all(value > f or (value == f and (k == "ge" or keyword == "gt")) for f, k in floor)
+    if keyword in ("le", "lt"):
+        ceiling = [(bounds[k], k) for k in ("le", "lt") if k in bounds]
+        return all(value < c or (value == c and (k == "le" or keyword == "lt")) for c, k in ceiling)
+    raise ValueError(f"{keyword}: only numeric bounds can be narrowed")

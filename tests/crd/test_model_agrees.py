@@ -264,6 +264,46 @@ def test_spec_engine_fields_are_the_engine_configs_with_the_crds_defaults() -> N
         default.max_num_seqs, default.max_model_len, default.default_gpu_memory_utilization)
 
 
+def _side(constraint: Any) -> str:
+    return {annotated_types.Ge: "floor", annotated_types.Gt: "floor", annotated_types.Le: "ceiling",
+            annotated_types.Lt: "ceiling"}.get(type(constraint), repr(constraint))
+
+
+@pytest.mark.parametrize("section", ["prewarm", "health", "remediation"])
+def test_the_pod_watch_sections_are_the_engines_fields_narrowed_only(section: str) -> None:
+    """prewarm, health and remediation: the engine's descriptions, and its bounds or stricter ones."""
+    from flashmodel_engine import config
+    from flashmodel_operator.model import FlashModelSpec
+
+    spec_model = _section_model(FlashModelSpec.model_fields[section])
+    engine_model = getattr(config, _MIRRORED[section])
+    problems = []
+    for name, ours in spec_model.model_fields.items():
+        theirs = engine_model.model_fields[name]
+        if not (ours.description or "").startswith(theirs.description or "-"):
+            problems.append(f"{name}: the spec's description is not the engine's")
+        if ours.alias != theirs.alias:
+            problems.append(f"{name}: alias {ours.alias} in the spec, {theirs.alias} in the engine")
+        # An engine bound may be missing from the spec only where a bound of the same side replaced it
+        # (engine_field checks that the replacement is stricter).
+        added_sides = {_side(c) for c in ours.metadata if c not in theirs.metadata}
+        for constraint in theirs.metadata:
+            if constraint not in ours.metadata and _side(constraint) not in added_sides:
+                problems.append(f"{name}: the engine's {constraint!r} is not in the spec")
+    assert problems == []
+
+
+def test_a_spec_field_cannot_allow_what_the_engine_refuses() -> None:
+    from flashmodel_engine.config import HealthSettings, RemediationSettings
+    from flashmodel_operator.spec_fields import engine_field
+
+    with pytest.raises(ValueError, match="allows what the engine refuses"):
+        engine_field(RemediationSettings, "divergence_ratio", le=2)
+    with pytest.raises(ValueError, match="allows what the engine refuses"):
+        engine_field(HealthSettings, "readiness_deadline_seconds", ge=0)  # the engine says gt=0
+    assert engine_field(HealthSettings, "readiness_deadline_seconds", ge=1).metadata
+
+
 def _default_mismatches(
     spec_model: type[BaseModel], engine_model: type[BaseModel], written: frozenset[str]
 ) -> list[str]:
