@@ -26,6 +26,8 @@ class GateView:
     """Its gate is open, by this operator after a prewarm."""
     standby: bool = False
     """Its gate is closed by this operator: prewarmed and waiting."""
+    leaving: bool = False
+    """About to be replaced: its health calls for remediation, or a standby was promoted in its place."""
 
 
 def _serving(pods: list[GateView], template: str | None, exclude: frozenset[str]) -> list[str]:
@@ -50,18 +52,28 @@ def should_serve(
     return len(_serving(pods, None, exclude)) < replicas
 
 
+def surplus(pods: list[GateView], template: str, replicas: int, draining: str | None) -> bool:
+    """More pods of the current spec serve than replicas."""
+    return len(_serving(pods, template, frozenset({draining} if draining else set()))) > replicas
+
+
 def should_stand_by(
     me: GateView, pods: list[GateView], template: str, replicas: int, standby_replicas: int, draining: str | None
 ) -> bool:
     """Whether a serving pod closes its gate and waits as a standby: more pods of the current spec serve
-    than replicas (the model was scaled down, and the Deployment removed a standby rather than it).
+    than replicas (the model was scaled down, and the Deployment removed a standby rather than it; or
+    the operator restarted between promoting a standby and draining the pod it replaces).
 
-    The last of them by name steps back, so that two pods never step back for one surplus pod.
+    One pod steps back for one surplus pod: a leaving one first (the first by name), else the last
+    by name, so a healthy pod is never benched while one about to be replaced keeps serving.
     """
     if standby_replicas == 0 or not me.serving or me.template != template or me.name == draining:
         return False
+    if not surplus(pods, template, replicas, draining):
+        return False
     serving = _serving(pods, template, frozenset({draining} if draining else set()))
-    return len(serving) > replicas and serving[-1] == me.name
+    leaving = [p.name for p in pods if p.leaving and p.name in serving]
+    return me.name == (sorted(leaving)[0] if leaving else serving[-1])
 
 
 def pick_standby(pods: list[GateView], template: str, healthy: frozenset[str]) -> str | None:

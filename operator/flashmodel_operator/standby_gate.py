@@ -9,13 +9,14 @@ of the operator and behind other pods' watches.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from flashmodel_operator.model import FlashModel, FlashModelSpec
 from flashmodel_operator.pod_context import PodContext
 from flashmodel_operator.pod_state import PROMOTED, STANDBY, ModelState, PodRecord, gate_is_standby, gate_is_true
 from flashmodel_operator.render import CONFIG_HASH_ANNOTATION, MODEL_LABEL, PREWARM_GATE, render_pod_template
-from flashmodel_operator.standby import GateView, pick_standby, should_serve, should_stand_by
+from flashmodel_operator.standby import GateView, pick_standby, should_serve, should_stand_by, surplus
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,39 @@ def memory_views(state: ModelState) -> list[GateView]:
     return [GateView(name, r.template, r.serving, r.prewarmed and r.standby) for name, r in state.pods.items()]
 
 
-def api_views(pods: list[dict[str, Any]]) -> list[GateView]:
-    return [
-        GateView(p["metadata"]["name"], template_of(p), gate_is_true(p), gate_is_standby(p))
-        for p in pods
-        if not p["metadata"].get("deletionTimestamp")
-    ]
+def api_views(pods: list[dict[str, Any]], state: ModelState) -> list[GateView]:
+    """The live pods, each leaving where its last health poll calls for remediation or a live pod's gate
+    says it was promoted in that pod's place (which outlives a restart of the operator)."""
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    replaced = {replaced_pod(p) for p in live}
+    views = []
+    for pod in live:
+        name = pod["metadata"]["name"]
+        leaving = name in replaced or _unhealthy(state, name)
+        views.append(GateView(name, template_of(pod), gate_is_true(pod), gate_is_standby(pod), leaving=leaving))
+    return views
+
+
+def _unhealthy(state: ModelState, name: str) -> bool:
+    health = state.health.get(name)
+    return health is not None and (health.readyz_failing_since is not None or health.divergence_recommended)
+
+
+def promoted_message(replaced: str, why: str) -> str:
+    """The promoted standby's gate message; `replaced_pod` reads the replaced pod's name back from it."""
+    return f"standby promoted in place of pod {replaced}: {why}"
+
+
+_PROMOTED_IN_PLACE = re.compile(r"^standby promoted in place of pod ([a-z0-9.-]+): ")
+
+
+def replaced_pod(pod: dict[str, Any]) -> str | None:
+    """The pod this pod was promoted in place of, from its gate condition; None when it was not."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == PREWARM_GATE and c.get("status") == "True" and c.get("reason") == PROMOTED:
+            found = _PROMOTED_IN_PLACE.match(str(c.get("message", "")))
+            return found.group(1) if found else None
+    return None
 
 
 async def _live_pods(ctx: PodContext) -> list[dict[str, Any]]:
@@ -67,7 +95,7 @@ async def open_or_hold(
         return True
     template = current_template(ctx.state, fm)
     async with ctx.state.lock:
-        views = api_views(await _live_pods(ctx))
+        views = api_views(await _live_pods(ctx), ctx.state)
         me = GateView(ctx.name, record.template, serving=False)
         serve = should_serve(me, views, template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
         if serve:
@@ -92,7 +120,7 @@ async def serve_if_needed(ctx: PodContext, fm: dict[str, Any], spec: FlashModelS
     async with ctx.state.lock:
         if not record.standby:
             return False  # promoted meanwhile, by a drain
-        views = api_views(await _live_pods(ctx))
+        views = api_views(await _live_pods(ctx), ctx.state)
         if not should_serve(me, views, template, spec.replicas, spec.standby_replicas, ctx.state.in_flight):
             return False
         serving = sum(1 for v in views if v.serving and v.template == template)
@@ -113,10 +141,12 @@ async def stand_by_if_surplus(ctx: PodContext, fm: dict[str, Any], spec: FlashMo
     template = current_template(ctx.state, fm)
     me = GateView(ctx.name, record.template, serving=True)
     args = (template, spec.replicas, spec.standby_replicas, ctx.state.in_flight)
-    if not should_stand_by(me, memory_views(ctx.state), *args):
+    # Memory answers "no surplus" without a request; which pod steps back is decided on the API's list,
+    # whose gates say which pod a promoted standby replaces.
+    if not surplus(memory_views(ctx.state), template, spec.replicas, ctx.state.in_flight):
         return False
     async with ctx.state.lock:
-        views = api_views(await _live_pods(ctx))
+        views = api_views(await _live_pods(ctx), ctx.state)
         if not should_stand_by(me, views, *args):
             return False
         serving = sum(1 for v in views if v.serving and v.template == template)
@@ -138,14 +168,13 @@ async def promote_for(ctx: PodContext, fm: dict[str, Any], spec: FlashModelSpec,
     if spec.standby_replicas == 0 or record is None or not record.serving:
         return None  # a standby being replaced carries no traffic to hand over
     template = current_template(ctx.state, fm)
-    health = ctx.state.health.items()
-    healthy = frozenset(n for n, h in health if h.readyz_failing_since is None and not h.divergence_recommended)
+    healthy = frozenset(n for n in ctx.state.health if not _unhealthy(ctx.state, n))
     async with ctx.state.lock:
         pods = await _live_pods(ctx)
-        name = pick_standby(api_views(pods), template, healthy)
+        name = pick_standby(api_views(pods, ctx.state), template, healthy)
         if name is None:
             return None
-        message = f"standby promoted in place of pod {ctx.name}: {why}"
+        message = promoted_message(ctx.name, why)
         await ctx.api(ctx.cluster.set_pod_condition, ctx.namespace, name, PREWARM_GATE, True, PROMOTED, message)
         promoted = ctx.state.pods.get(name)
         if promoted is not None:

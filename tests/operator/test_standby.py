@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from flashmodel_operator.model import FlashModel, RemediationSpec
+from flashmodel_operator.pod_state import PROMOTED, ModelState
 from flashmodel_operator.remediation import CONFIRM_SECONDS, ModelBudget, PodHealth, decide
-from flashmodel_operator.render import render_deployment, render_pdb
+from flashmodel_operator.render import PREWARM_GATE, render_deployment, render_pdb
 from flashmodel_operator.standby import GateView, pick_standby, should_serve, should_stand_by
+from flashmodel_operator.standby_gate import api_views, promoted_message, replaced_pod
 
 from tests.operator.specs import MINIMAL_T4
 
@@ -67,6 +69,36 @@ def test_after_a_scale_down_exactly_one_surplus_pod_steps_back() -> None:
     # Pods of an old spec are the rollout's to remove, and the draining pod is on its way out.
     assert not should_stand_by(serving("c", OLD), pods, NEW, replicas=1, standby_replicas=1, draining=None)
     assert not should_stand_by(serving("c"), pods, NEW, replicas=1, standby_replicas=1, draining="c")
+
+
+def test_the_pod_about_to_be_replaced_steps_back_not_the_healthy_one() -> None:
+    """The operator restarted between promoting a standby ("a") and draining the pod it replaces ("b"):
+    both serve, one too many. "b" steps back, though the rule without it would bench "b" only by name."""
+    promoted, victim = serving("a"), GateView("b", NEW, serving=True, leaving=True)
+    pods = [promoted, victim]
+    assert [p.name for p in pods if should_stand_by(p, pods, NEW, 1, 1, None)] == ["b"]
+    # Named the other way round: still the leaving pod, where the name rule alone would pick the healthy one.
+    pods = [GateView("a", NEW, serving=True, leaving=True), serving("b")]
+    assert [p.name for p in pods if should_stand_by(p, pods, NEW, 1, 1, None)] == ["a"]
+    # Two leaving pods and one surplus: one steps back.
+    pods = [GateView("a", NEW, True, leaving=True), GateView("b", NEW, True, leaving=True), serving("c")]
+    assert [p.name for p in pods if should_stand_by(p, pods, NEW, 2, 1, None)] == ["a"]
+
+
+def test_the_replaced_pod_is_read_back_from_the_promoted_pods_gate() -> None:
+    def pod(name: str, reason: str, message: str) -> dict[str, Any]:
+        gate = {"type": PREWARM_GATE, "status": "True", "reason": reason, "message": message}
+        return {"metadata": {"name": name, "annotations": {}}, "status": {"conditions": [gate]}}
+
+    promoted = pod("m-a", PROMOTED, promoted_message("m-b", "memory diverges"))
+    victim = pod("m-b", "PrewarmSucceeded", "prewarm ok")
+    assert replaced_pod(promoted) == "m-b" and replaced_pod(victim) is None
+    views = {v.name: v for v in api_views([promoted, victim], ModelState())}
+    assert views["m-b"].leaving and not views["m-a"].leaving
+    # A poll that calls for remediation makes a pod leaving too, before any promotion.
+    state = ModelState()
+    state.health["m-a"] = PodHealth("m-a", True, True, True, 0.2, 1.0, None)
+    assert {v.name for v in api_views([promoted, victim], state) if v.leaving} == {"m-a", "m-b"}
 
 
 def test_the_standby_promoted_is_healthy_and_of_the_current_spec() -> None:
