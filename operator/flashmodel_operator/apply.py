@@ -64,6 +64,7 @@ _PATHS: dict[tuple[str, str], str] = {
     ("discovery.k8s.io/v1", "EndpointSlice"): "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
     ("policy/v1", "PodDisruptionBudget"): "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     (f"{GROUP}/{VERSION}", KIND): f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}",

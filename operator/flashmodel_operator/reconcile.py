@@ -31,9 +31,11 @@ from flashmodel_operator.render import (
     control_secret_name,
     engine_config,
     needs_pdb,
+    network_policy_name,
     render_autoscaler,
     render_children,
     render_control_secret,
+    render_network_policy,
     render_pod,
     selector_string,
     standby_count,
@@ -381,8 +383,8 @@ def _execute(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcom
         model_state(ns, name).control_token = plan.control_token
         log.info("event=control-secret-created model=%s/%s", ns, name)
     _apply_children(cluster, body, plan, outcome)
-    if not plan.first_pass and not plan.from_watch and not needs_pdb(fm):
-        _remove_unneeded_pdb(cluster, body, fm)
+    if not plan.first_pass and not plan.from_watch:
+        _remove_unwanted_children(cluster, body, fm)
     status: dict[str, Any] = dict(body.get("status") or {})
     scaler = _reconcile_autoscaler(cluster, body, fm, status, plan.new_status, outcome)
     _observe(cluster, body, plan, scaler, outcome)
@@ -551,24 +553,30 @@ def unschedulable(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _remove_unneeded_pdb(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> None:
-    """Delete the model's PodDisruptionBudget once it can have only one serving pod (render.needs_pdb).
+def _remove_unwanted_children(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> None:
+    """Delete the optional children the model no longer wants: the PodDisruptionBudget once it can have
+    only one serving pod (render.needs_pdb), the NetworkPolicy once the cluster turned it off.
 
-    Read first: the pass that applied a budget read it for the apply, so a full pass's reads stay as
-    many, and only a budget this model owns is deleted, not one of the same name made by someone else.
+    Read first: the pass that applied a child read it for the apply, so a full pass's reads stay as
+    many, and only a child this model owns is deleted, not one of the same name made by someone else.
     """
-    pdb = cluster.get("policy/v1", "PodDisruptionBudget", fm.namespace, fm.name)
-    if pdb is None:
-        return
-    owners = pdb["metadata"].get("ownerReferences") or []
-    if not any(o.get("uid") == fm.uid and o.get("controller") for o in owners):
-        return
-    if cluster.delete("policy/v1", "PodDisruptionBudget", fm.namespace, fm.name):
-        cluster.event(
-            body, "Normal", "Deleted",
-            f"deleted PodDisruptionBudget {fm.name}: at most one serving pod, which a budget would not protect",
-        )
-        log.info("event=pdb-deleted model=%s/%s", fm.namespace, fm.name)
+    unwanted: list[tuple[str, str, str, str]] = []
+    if not needs_pdb(fm):
+        unwanted.append(("policy/v1", "PodDisruptionBudget", fm.name,
+                         "at most one serving pod, which a budget would not protect"))
+    if render_network_policy(fm) is None:
+        unwanted.append(("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(fm.name),
+                         "the operator's networkPolicy is off"))
+    for api, kind, child, why in unwanted:
+        found = cluster.get(api, kind, fm.namespace, child)
+        if found is None:
+            continue
+        owners = found["metadata"].get("ownerReferences") or []
+        if not any(o.get("uid") == fm.uid and o.get("controller") for o in owners):
+            continue
+        if cluster.delete(api, kind, fm.namespace, child):
+            cluster.event(body, "Normal", "Deleted", f"deleted {kind} {child}: {why}")
+            log.info("event=child-deleted model=%s/%s kind=%s", fm.namespace, fm.name, kind)
 
 
 def _reconcile_autoscaler(

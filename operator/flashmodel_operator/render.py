@@ -21,7 +21,7 @@ from flashmodel_engine.contract import (
 )
 from pydantic import BaseModel
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION, engine_image
+from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION, engine_image, network_policy
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.placement import PodProfile, pod_profile
@@ -528,6 +528,16 @@ def render_autoscaler(fm: FlashModel, prometheus: str) -> dict[str, Any] | None:
     return render_hpa(fm, _metadata(fm, fm.name))
 
 
+def render_network_policy(fm: FlashModel) -> dict[str, Any] | None:
+    """Who may reach the model's engine pods, where the cluster admin turns it on (network_policy.py)."""
+    metadata = _metadata(fm, network_policy_name(fm.name))
+    return network_policy.render(network_policy.current(), metadata, selector_labels(fm))
+
+
+def network_policy_name(fm_name: str) -> str:
+    return f"{fm_name}-engine"
+
+
 def render_children(
     fm: FlashModel, replicas: int | None = None, prometheus: str = "", template: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
@@ -535,6 +545,9 @@ def render_children(
     children = [render_configmap(fm), render_deployment(fm, replicas, template), render_service(fm)]
     if needs_pdb(fm):
         children.append(render_pdb(fm))
+    policy = render_network_policy(fm)
+    if policy is not None:
+        children.append(policy)
     autoscaler = render_autoscaler(fm, prometheus)
     if autoscaler is not None:
         children.append(autoscaler)

@@ -105,6 +105,8 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("", "services"): CHILD_VERBS,
     ("apps", "deployments"): CHILD_VERBS,
     ("policy", "poddisruptionbudgets"): CHILD_VERBS,
+    # networkPolicy.enabled: applied and, once turned off, read and deleted; never listed or watched.
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): CHILD_VERBS,
     ("keda.sh", "scaledobjects"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},

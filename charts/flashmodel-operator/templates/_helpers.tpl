@@ -105,3 +105,12 @@ would refuse the Deployment after the install) and the health and metrics endpoi
 {{- fail (printf "healthPort and metrics.port are both %v: the liveness endpoint and the metrics need a port each" .Values.healthPort) }}
 {{- end }}
 {{- end }}
+
+{{/* The engine pods' NetworkPolicy peers as the operator reads them (FLASHMODEL_ENGINE_NETWORK_POLICY):
+the operator's own pods by namespace and labels, then the values' peers. */}}
+{{- define "flashmodel-operator.engineNetworkPolicy" -}}
+{{- $ns := dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace) -}}
+{{- $pods := dict "matchLabels" (include "flashmodel-operator.selectorLabels" . | fromYaml) -}}
+{{- $operator := list (dict "namespaceSelector" $ns "podSelector" $pods) -}}
+{{- dict "operator" $operator "apiFrom" .Values.networkPolicy.apiFrom "healthFrom" .Values.networkPolicy.healthFrom | toJson -}}
+{{- end }}
