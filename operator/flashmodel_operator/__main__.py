@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flashmodel_operator import engine_image, heap, network_policy, settings
+from flashmodel_operator import engine_image, heap, network_policy, routing, settings
 
 
 def main() -> None:
@@ -20,6 +20,7 @@ def main() -> None:
         settings.load()  # once, before kopf imports the handlers, which take their timings from it
         engine_image.load()
         network_policy.load()
+        routing.load()
     except ValueError as exc:
         sys.exit(f"flashmodel-operator: {exc}")
     heap.tune_collector()

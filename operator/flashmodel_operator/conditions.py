@@ -1,4 +1,4 @@
-"""Status conditions (Ready, Available, Progressing, Degraded, Autoscaling) as a pure function of what was observed.
+"""Status conditions (Ready, Available, Progressing, Degraded, Autoscaling, Routing), a pure function of what was seen.
 
 Ready: every desired pod serves (ready and prewarmed as the operator saw it), no roll-out under way.
 Available: at least one pod serves, the way a Deployment reports it: a scale-up or a roll-out turns
@@ -15,6 +15,7 @@ AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 AUTOSCALING = "Autoscaling"
+ROUTING = "Routing"
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Observation:
     """The scheduler's reason a pod of the model is Pending (no node with a free T4, say), with the pod's name."""
     autoscaling: tuple[bool, str, str] | None = None
     """(active, reason, message) of the model's autoscaler; None without spec.autoscaling."""
+    routing: tuple[bool, str, str] | None = None
+    """(active, reason, message) of the model's InferencePool and endpoint picker; None without spec.routing."""
     remediation_held: Problem | None = None
     """A pod needs replacing and the operator will not act (its restart budget is spent): Degraded says so,
     while Ready and Available still count the pods that serve."""
@@ -120,6 +123,9 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
     if obs.autoscaling is not None:
         active, reason, message = obs.autoscaling
         conditions.append(_condition(AUTOSCALING, active, reason, message, gen, before, now))
+    if obs.routing is not None:
+        active, reason, message = obs.routing
+        conditions.append(_condition(ROUTING, active, reason, message, gen, before, now))
     return conditions
 
 

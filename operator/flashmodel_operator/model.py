@@ -466,6 +466,99 @@ class ObservabilitySpec(_Spec):
     )
 
 
+class GatewayRef(_Spec):
+    """The Gateway (gateway.networking.k8s.io) whose HTTPRoute sends this model's requests to its pool."""
+
+    name: ObjectName = Field(description="The Gateway's name.")
+    namespace: ObjectName | None = Field(
+        default=None, description="The Gateway's namespace; absent: the FlashModel's. It must allow routes from here."
+    )
+    section_name: Annotated[str, Field(min_length=1, max_length=253)] | None = Field(
+        default=None, description="One listener of the Gateway by name; absent: every listener that allows the route."
+    )
+
+
+class HeaderMatch(_Spec):
+    """One request header a route matches exactly."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "name": (
+            Rule(
+                "self.matches('^[A-Za-z0-9][A-Za-z0-9-]*$')",
+                "a header name is letters, digits and '-' (for example X-Task-Type)",
+            ),
+        ),
+    }
+
+    name: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        description="The header's name (case-insensitive), for example X-Task-Type."
+    )
+    value: Annotated[str, Field(min_length=1, max_length=4096)] = Field(description="The header's exact value.")
+
+
+class PickerWeights(_Spec):
+    """How much each of the endpoint picker's scorers counts when it picks a pod for a request."""
+
+    queue: int = Field(
+        default=2, ge=0, le=100,
+        description="Relative weight of the queue scorer (fewer waiting requests on the pod score higher). Default 2.",
+    )
+    kv_cache_utilization: int = Field(
+        default=2, ge=0, le=100,
+        description="Relative weight of the KV-cache utilization scorer (a less full cache scores higher). Default 2.",
+    )
+    prefix_cache: int = Field(
+        default=3, ge=0, le=100,
+        description=(
+            "Relative weight of the prefix-cache scorer (a pod that likely holds the prompt's prefix in its "
+            "cache scores higher). Default 3."
+        ),
+    )
+
+
+class RoutingSpec(_Spec):
+    """The model behind a Gateway API Inference Extension pool: an endpoint picker chooses the pod per request."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.gateway) || self.matchModelName || (has(self.headers) && size(self.headers) > 0)",
+            "a routing.gateway route needs something to match: keep matchModelName true or list headers, "
+            "or the route would take every request the Gateway gets",
+            field_path=".gateway",
+        ),
+    )
+
+    gateway: GatewayRef | None = Field(
+        default=None,
+        description=(
+            "Attach the pool to this Gateway with an HTTPRoute; absent: the operator makes the pool and its "
+            "endpoint picker, and the cluster's own routes point at the pool."
+        ),
+    )
+    match_model_name: bool = Field(
+        default=True,
+        description=(
+            "The route matches requests whose OpenAI `model` is this model's served name, through the header "
+            "X-Gateway-Base-Model-Name that the Gateway's body-based router sets. Default true."
+        ),
+    )
+    headers: list[HeaderMatch] = Field(
+        default_factory=list, max_length=8,
+        description="Request headers the route matches too, all of them (for example X-Task-Type: summarize).",
+    )
+    picker: PickerWeights = Field(
+        default_factory=PickerWeights, description="The endpoint picker's scorer weights."
+    )
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        default="FailClose",
+        description=(
+            "What the Gateway does while the endpoint picker does not answer: FailClose refuses the request "
+            "(a clear 5xx), FailOpen lets the Gateway pick a pod of the pool itself, blind to load and "
+            "prefixes. Default FailClose."
+        ),
+    )
+
+
 class FlashModelSpec(_Spec):
     """What the user asks for."""
 
@@ -557,6 +650,14 @@ class FlashModelSpec(_Spec):
     observability: ObservabilitySpec | None = Field(
         default=None,
         description="Telemetry the engine sends besides its Prometheus metrics; absent means none.",
+    )
+    routing: RoutingSpec | None = Field(
+        default=None,
+        description=(
+            "Serve through the Gateway API Inference Extension: an InferencePool of the pods that serve "
+            "(prewarmed, not standby, not draining) and an endpoint picker that chooses one per request by "
+            "queue, KV-cache use and prefix cache; with gateway, an HTTPRoute. Absent: the Service only."
+        ),
     )
     # Core Kubernetes types pass through untouched: the API server already validated them.
     resources: dict[str, Any] = Field(

@@ -40,6 +40,7 @@ from flashmodel_operator.render import (
     selector_string,
     standby_count,
 )
+from flashmodel_operator.routing_reconcile import RoutingState, reconcile_routing
 from flashmodel_operator.settings import current
 
 log = logging.getLogger(__name__)
@@ -387,7 +388,8 @@ def _execute(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcom
         _remove_unwanted_children(cluster, body, fm)
     status: dict[str, Any] = dict(body.get("status") or {})
     scaler = _reconcile_autoscaler(cluster, body, fm, status, plan.new_status, outcome)
-    _observe(cluster, body, plan, scaler, outcome)
+    routed = None if plan.from_watch else reconcile_routing(cluster, body, fm, plan.new_status, outcome.applied)
+    _observe(cluster, body, plan, scaler, outcome, routed)
 
 
 def _apply_children(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcome) -> None:
@@ -447,7 +449,10 @@ def _remediation_held(namespace: str, name: str) -> Problem | None:
     )
 
 
-def _observe(cluster: Cluster, body: dict[str, Any], plan: Plan, scaler: ScalerState | None, outcome: Outcome) -> None:
+def _observe(
+    cluster: Cluster, body: dict[str, Any], plan: Plan, scaler: ScalerState | None, outcome: Outcome,
+    routed: RoutingState | None,
+) -> None:
     """The pass's view of the model's pods and Deployment after its writes, into the status and the gauges."""
     fm = plan.parsed.fm
     ns, name = fm.namespace, fm.name
@@ -480,6 +485,7 @@ def _observe(cluster: Cluster, body: dict[str, Any], plan: Plan, scaler: ScalerS
         problem=plan.problem,
         unschedulable=unschedulable(current_pods),
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
+        routing=_routing_as_before(body) if plan.from_watch else routed,
         remediation_held=_remediation_held(ns, name),
     )
     was_unschedulable = any(
@@ -550,6 +556,14 @@ def unschedulable(pods: list[dict[str, Any]]) -> str | None:
         for c in (pod.get("status") or {}).get("conditions") or []:
             if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
                 return f"pod {pod['metadata']['name']} unschedulable: {c.get('message') or 'no reason given'}"
+    return None
+
+
+def _routing_as_before(body: dict[str, Any]) -> RoutingState | None:
+    """The Routing condition as the last full pass left it: a pass from a child's watch does not look at routing."""
+    for c in (body.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Routing":
+            return c.get("status") == "True", str(c.get("reason", "")), str(c.get("message", ""))
     return None
 
 

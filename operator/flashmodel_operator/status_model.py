@@ -23,7 +23,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: str = Field(description="Ready, Available, Progressing, Degraded or Autoscaling.")
+    type: str = Field(description="Ready, Available, Progressing, Degraded, Autoscaling or Routing.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="CamelCase reason for the last transition.")
     message: str | None = Field(default=None, description="Human-readable detail.")
@@ -95,6 +95,13 @@ class AutoscalerStatus(_Status):
     metrics: list[str] | None = Field(default=None, description="The HPA's last metric readings, name=value.")
 
 
+class RoutingStatus(_Status):
+    pool: str | None = Field(default=None, description="The model's InferencePool (named after the model).")
+    endpoint_picker: str | None = Field(default=None, description="The endpoint picker's Deployment and Service.")
+    picker_ready: bool | None = Field(default=None, description="Whether the endpoint picker has an available pod.")
+    gateway: str | None = Field(default=None, description="namespace/name of the Gateway the HTTPRoute attaches to.")
+
+
 class PreflightRefusal(_Status):
     config_hash: str | None = Field(
         default=None, description="The pod-template config hash the refusal applies to."
@@ -149,8 +156,8 @@ class FlashModelStatus(_Status):
         # One entry per type: a server-side apply of one condition merges with the others.
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description=(
-            "Ready (every desired pod serves), Available (at least one pod serves), Progressing, Degraded, and "
-            "Autoscaling where spec.autoscaling is set."
+            "Ready (every desired pod serves), Available (at least one pod serves), Progressing, Degraded, "
+            "Autoscaling where spec.autoscaling is set, and Routing where spec.routing is."
         ),
     )
     pods: list[PodRecord] | None = Field(default=None, description="Per-pod prewarm results.")
@@ -172,6 +179,12 @@ class FlashModelStatus(_Status):
         # The operator writes null to clear it once the autoscaler is gone.
         json_schema_extra={"nullable": True},
         description="What the model's autoscaler reported at the last pass (also in the Autoscaling condition).",
+    )
+    routing: RoutingStatus | None = Field(
+        default=None,
+        # The operator writes null to clear it once spec.routing is removed and its children are gone.
+        json_schema_extra={"nullable": True},
+        description="The model's InferencePool and endpoint picker at the last pass (also in the Routing condition).",
     )
     preflight_refusal: PreflightRefusal | None = Field(
         default=None,

@@ -107,6 +107,15 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("policy", "poddisruptionbudgets"): CHILD_VERBS,
     # networkPolicy.enabled: applied and, once turned off, read and deleted; never listed or watched.
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
+    # spec.routing: the pool (the picker's Role grants its reads, which the operator must hold), the
+    # route, the picker's account and RBAC; GIE's optional kinds are only granted on.
+    ("inference.networking.k8s.io", "inferencepools"): CHILD_VERBS,
+    ("inference.networking.x-k8s.io", "inferenceobjectives"): {"get", "list", "watch"},
+    ("inference.networking.x-k8s.io", "inferencemodelrewrites"): {"get", "list", "watch"},
+    ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
+    ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): CHILD_VERBS,
     ("keda.sh", "scaledobjects"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},

@@ -75,6 +75,7 @@ def test_printer_columns() -> None:
         ("Replicas", ".status.replicasSummary"),
         ("Accelerator", ".spec.accelerator"),
         ("Model", ".status.servedName"),
+        ("Routing", '.status.conditions[?(@.type=="Routing")].status'),
         ("Age", ".metadata.creationTimestamp"),
     ]
 
@@ -184,7 +185,7 @@ _REPO_PATH = re.compile(
 # A number means something only with its unit (or what it counts).
 _UNIT = re.compile(
     r"\b(seconds?|milliseconds?|minutes?|hours?|bytes|KiB|MiB|GiB|fraction|ratio|percent|requests?|tokens|"
-    r"replicas|pods?|sequences|restarts|evictions|attempts|GPUs?|blocks?)\b",
+    r"replicas|pods?|sequences|restarts|evictions|attempts|GPUs?|blocks?|relative weight)\b",
     re.IGNORECASE,
 )
 
