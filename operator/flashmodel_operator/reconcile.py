@@ -384,8 +384,10 @@ def _execute(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcom
         model_state(ns, name).control_token = plan.control_token
         log.info("event=control-secret-created model=%s/%s", ns, name)
     _apply_children(cluster, body, plan, outcome)
+    if not plan.from_watch:
+        plan.new_status["networkPolicy"] = True if render_network_policy(fm) is not None else None
     if not plan.first_pass and not plan.from_watch:
-        _remove_unwanted_children(cluster, body, fm)
+        _remove_unwanted_children(cluster, body, fm, plan.new_status)
     status: dict[str, Any] = dict(body.get("status") or {})
     scaler = _reconcile_autoscaler(cluster, body, fm, status, plan.new_status, outcome)
     routed = None if plan.from_watch else reconcile_routing(cluster, body, fm, plan.new_status, outcome.applied)
@@ -567,18 +569,22 @@ def _routing_as_before(body: dict[str, Any]) -> RoutingState | None:
     return None
 
 
-def _remove_unwanted_children(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> None:
+def _remove_unwanted_children(
+    cluster: Cluster, body: dict[str, Any], fm: FlashModel, new_status: dict[str, Any]
+) -> None:
     """Delete the optional children the model no longer wants: the PodDisruptionBudget once it can have
     only one serving pod (render.needs_pdb), the NetworkPolicy once the cluster turned it off.
 
     Read first: the pass that applied a child read it for the apply, so a full pass's reads stay as
     many, and only a child this model owns is deleted, not one of the same name made by someone else.
+    The NetworkPolicy is looked for only where the status says one was made: a fleet that never turned
+    it on pays no read for it.
     """
     unwanted: list[tuple[str, str, str, str]] = []
     if not needs_pdb(fm):
         unwanted.append(("policy/v1", "PodDisruptionBudget", fm.name,
                          "at most one serving pod, which a budget would not protect"))
-    if render_network_policy(fm) is None:
+    if new_status.get("networkPolicy") is None and (body.get("status") or {}).get("networkPolicy"):
         unwanted.append(("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(fm.name),
                          "the operator's networkPolicy is off"))
     for api, kind, child, why in unwanted:

@@ -174,6 +174,11 @@ class FlashModelStatus(_Status):
             "Whether the operator rendered an autoscaler, so it deletes it once spec.autoscaling is removed."
         ),
     )
+    network_policy: bool | None = Field(
+        default=None,
+        json_schema_extra={"nullable": True},
+        description="Whether the operator made the model's NetworkPolicy, so it deletes it once it is turned off.",
+    )
     autoscaler: AutoscalerStatus | None = Field(
         default=None,
         # The operator writes null to clear it once the autoscaler is gone.

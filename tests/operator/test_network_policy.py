@@ -109,6 +109,8 @@ def test_the_policy_is_a_child_while_on_and_goes_when_turned_off(
         assert outcome.applied["NetworkPolicy/guarded-engine"] == "created"
         stored = cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine")
         assert stored is not None and stored["spec"]["ingress"][1]["from"][1] == MONITORING
+        # The status remembers it, so the pass after the setting is turned off looks for it (and only then).
+        assert _apply(control_plane, k8s_namespace, "guarded", spec)["status"]["networkPolicy"] is True
         # A second pass writes nothing.
         again = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
         assert again.applied.get("NetworkPolicy/guarded-engine", "unchanged") == "unchanged"
@@ -121,5 +123,6 @@ def test_the_policy_is_a_child_while_on_and_goes_when_turned_off(
             "-o", "jsonpath={.items[*].message}",
         ).stdout
         assert "deleted NetworkPolicy guarded-engine: the operator's networkPolicy is off" in events
+        assert "networkPolicy" not in (_apply(control_plane, k8s_namespace, "guarded", spec)["status"])
     finally:
         api.close()  # type: ignore[no-untyped-call]
