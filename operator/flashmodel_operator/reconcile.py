@@ -8,7 +8,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from flashmodel_operator.render import (
 )
 from flashmodel_operator.routing_reconcile import RoutingState, reconcile_routing
 from flashmodel_operator.settings import current
+from flashmodel_operator.watched_models import WatchedModels
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +391,9 @@ def _execute(cluster: Cluster, body: dict[str, Any], plan: Plan, outcome: Outcom
         _remove_unwanted_children(cluster, body, fm, plan.new_status)
     status: dict[str, Any] = dict(body.get("status") or {})
     scaler = _reconcile_autoscaler(cluster, body, fm, status, plan.new_status, outcome)
-    routed = None if plan.from_watch else reconcile_routing(cluster, body, fm, plan.new_status, outcome.applied)
+    routed = None if plan.from_watch else reconcile_routing(
+        cluster, body, fm, plan.new_status, outcome.applied, _peers(cluster)
+    )
     _observe(cluster, body, plan, scaler, outcome, routed)
 
 
@@ -559,6 +562,14 @@ def unschedulable(pods: list[dict[str, Any]]) -> str | None:
             if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
                 return f"pod {pod['metadata']['name']} unschedulable: {c.get('message') or 'no reason given'}"
     return None
+
+
+def _peers(cluster: Cluster) -> list[Mapping[str, Any]]:
+    """Every FlashModel the operator has seen (WatchedModels), for route conflicts; none without that memory."""
+    models = cluster.models
+    if not isinstance(models, WatchedModels):
+        return []
+    return [body for key in models if (body := models.get(*key)) is not None]
 
 
 def _routing_as_before(body: dict[str, Any]) -> RoutingState | None:

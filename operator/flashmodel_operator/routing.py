@@ -15,7 +15,7 @@ select on those, and an EPP pod taken for an engine pod would be prewarmed and h
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,6 +228,46 @@ def route_matches(fm: FlashModel, routing: RoutingSpec) -> list[tuple[str, str]]
     if routing.match_model_name:
         pairs.append((MODEL_NAME_HEADER.lower(), fm.served_name))
     return sorted(pairs)
+
+
+RouteKey = tuple[str, str, tuple[tuple[str, str], ...]]
+"""(gateway namespace/name, listener or "", sorted header matches): two routes with one key take the same requests."""
+
+
+def route_key(fm: FlashModel) -> RouteKey | None:
+    """What the model's HTTPRoute claims on its Gateway; None without one."""
+    routing = fm.spec.routing
+    if routing is None or routing.gateway is None:
+        return None
+    gateway = f"{routing.gateway.namespace or fm.namespace}/{routing.gateway.name}"
+    return gateway, routing.gateway.section_name or "", tuple(route_matches(fm, routing))
+
+
+def route_winner(fm: FlashModel, created: str, peers: Iterable[Mapping[str, Any]]) -> str | None:
+    """namespace/name of an older FlashModel whose route claims exactly what this one's does, or None.
+
+    The oldest wins, by creation time and then namespace/name, which is how the Gateway API resolves
+    two routes that match the same requests: refusing the younger route here only says so sooner
+    and in the model's status, instead of leaving it attached and silently shadowed.
+    """
+    key = route_key(fm)
+    if key is None:
+        return None
+    mine = (created, fm.namespace, fm.name)
+    for body in peers:
+        meta = body.get("metadata") or {}
+        if not ((body.get("spec") or {}).get("routing") or {}).get("gateway"):
+            continue  # most models have no route: skipped before the costlier parse
+        theirs = (str(meta.get("creationTimestamp", "")), meta.get("namespace"), meta.get("name"))
+        if theirs[1:] == mine[1:] or meta.get("deletionTimestamp") or not theirs < mine:
+            continue
+        try:
+            peer = FlashModel.from_body(body)
+        except (ValueError, KeyError):
+            continue  # an invalid peer has no route
+        if route_key(peer) == key:
+            return f"{peer.namespace}/{peer.name}"
+    return None
 
 
 def render_route(fm: FlashModel, routing: RoutingSpec, engine_labels: dict[str, str]) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ Service with a condition that says what to install, not fail the pass.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -15,7 +16,7 @@ from kubernetes.client.exceptions import ApiException
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.render import common_labels, selector_labels
-from flashmodel_operator.routing import POOL_API, ROUTE_API, picker_name, render_routing
+from flashmodel_operator.routing import POOL_API, ROUTE_API, picker_name, render_routing, route_key, route_winner
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,26 @@ _MISSING = {
 
 
 def reconcile_routing(
-    cluster: Cluster, body: dict[str, Any], fm: FlashModel, new_status: dict[str, Any], outcome_applied: dict[str, str]
+    cluster: Cluster, body: dict[str, Any], fm: FlashModel, new_status: dict[str, Any], outcome_applied: dict[str, str],
+    peers: Iterable[Mapping[str, Any]] = (),
 ) -> RoutingState | None:
-    """Apply or remove the model's routing children; the Routing condition's state (None without spec.routing)."""
+    """Apply or remove the model's routing children; the Routing condition's state (None without spec.routing).
+
+    `peers`: the other FlashModels as the operator last saw them, for route conflicts.
+    """
     before = (body.get("status") or {}).get("routing")
     if fm.spec.routing is None:
         if before:
             remove_routing(cluster, body, fm)
         new_status["routing"] = None
         return None
+    winner = route_winner(fm, str(body["metadata"].get("creationTimestamp", "")), peers)
+    children = render_routing(fm, common_labels(fm), selector_labels(fm))
+    if winner is not None:
+        children = [c for c in children if c["kind"] != "HTTPRoute"]
+        _remove(cluster, body, fm, [(ROUTE_API, "HTTPRoute", fm.name)], f"the FlashModel {winner} claims its matches")
     changed: list[str] = []
-    for child in render_routing(fm, common_labels(fm), selector_labels(fm)):
+    for child in children:
         kind, name = child["kind"], child["metadata"]["name"]
         try:
             result = cluster.apply(child)
@@ -62,6 +72,19 @@ def reconcile_routing(
             changed.append(f"{result} {kind} {name}")
     if changed:
         cluster.event(body, "Normal", "Applied", ", ".join(changed))
+    if winner is not None:
+        key = route_key(fm)
+        assert key is not None
+        matches = ", ".join(f"{h}: {v}" for h, v in key[2])
+        message = (
+            f"no HTTPRoute: the older FlashModel {winner} already routes the same requests ({matches}) on the "
+            f"Gateway {key[0]}; change spec.routing.headers or the served name, or remove spec.routing.gateway"
+        )
+        if not (body.get("status") or {}).get("routing", {}).get("conflict"):
+            cluster.event(body, "Warning", "RouteConflict", message)
+        _observe(cluster, fm, new_status)
+        new_status["routing"]["conflict"] = winner
+        return False, "RouteConflict", message
     return _observe(cluster, fm, new_status)
 
 
@@ -110,6 +133,13 @@ def remove_routing(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> No
         ("rbac.authorization.k8s.io/v1", "RoleBinding", picker), ("rbac.authorization.k8s.io/v1", "Role", picker),
         ("v1", "ServiceAccount", picker),
     ]
+    _remove(cluster, body, fm, kinds, "spec.routing removed")
+
+
+def _remove(
+    cluster: Cluster, body: dict[str, Any], fm: FlashModel, kinds: list[tuple[str, str, str]], why: str
+) -> None:
+    """Delete those of `kinds` (api, kind, name) that exist and the model owns; one event for them."""
     deleted = []
     for api, kind, child in kinds:
         try:
@@ -124,5 +154,5 @@ def remove_routing(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> No
         if cluster.delete(api, kind, fm.namespace, child):
             deleted.append(f"{kind} {child}")
     if deleted:
-        cluster.event(body, "Normal", "Deleted", f"deleted {', '.join(deleted)}: spec.routing removed")
-        log.info("event=routing-removed model=%s/%s", fm.namespace, fm.name)
+        cluster.event(body, "Normal", "Deleted", f"deleted {', '.join(deleted)}: {why}")
+        log.info("event=routing-children-deleted model=%s/%s why=%r", fm.namespace, fm.name, why)

@@ -100,6 +100,10 @@ class RoutingStatus(_Status):
     endpoint_picker: str | None = Field(default=None, description="The endpoint picker's Deployment and Service.")
     picker_ready: bool | None = Field(default=None, description="Whether the endpoint picker has an available pod.")
     gateway: str | None = Field(default=None, description="namespace/name of the Gateway the HTTPRoute attaches to.")
+    conflict: str | None = Field(
+        default=None,
+        description="namespace/name of the older FlashModel whose route claims the same requests: no HTTPRoute here.",
+    )
 
 
 class PreflightRefusal(_Status):

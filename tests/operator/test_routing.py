@@ -20,7 +20,9 @@ from flashmodel_operator.routing import (
     picker_config,
     render_routing,
     route_matches,
+    route_winner,
 )
+from flashmodel_operator.watched_models import WatchedModels
 
 from e2e.harness.cluster import ControlPlane
 from tests.operator.specs import body
@@ -190,3 +192,55 @@ def test_the_pool_and_picker_are_children_while_routed_and_go_with_spec_routing(
     assert cluster.get("apps/v1", "Deployment", ns, name) is not None, "the engine's own Deployment stays"
     stored = json.loads(control_plane.kubectl("get", "flashmodel", name, "-n", ns, "-o", "json").stdout)
     assert _condition(stored, "Routing") is None and stored["status"].get("routing") is None
+
+
+def test_of_two_routes_claiming_the_same_requests_the_older_wins_and_the_younger_says_why() -> None:
+    def stored(name: str, created: str, routing: dict[str, Any], namespace: str = "serving") -> dict[str, Any]:
+        found = body(name, {"model": PVC_MODEL, "routing": routing}, namespace=namespace)
+        found["metadata"]["creationTimestamp"] = created
+        return found
+
+    edge = {"gateway": {"name": "edge", "namespace": "infra"}, "headers": [{"name": "X-Task-Type", "value": "chat"}]}
+    older, younger = stored("a-older", "2026-12-01T00:00:00Z", edge), stored("b-younger", "2026-12-02T00:00:00Z", edge)
+    fleet = [older, younger, stored("plain", "2026-11-01T00:00:00Z", {})]
+    assert route_winner(FlashModel.from_body(younger), "2026-12-02T00:00:00Z", fleet) == "serving/a-older"
+    assert route_winner(FlashModel.from_body(older), "2026-12-01T00:00:00Z", fleet) is None
+    # Another header value, another listener or another Gateway is no conflict.
+    for other in ({**edge, "headers": [{"name": "X-Task-Type", "value": "summarize"}]},
+                  {**edge, "gateway": {"name": "edge", "namespace": "infra", "sectionName": "https"}},
+                  {**edge, "gateway": {"name": "edge"}}):
+        fm = FlashModel.from_body(stored("c", "2026-12-03T00:00:00Z", other))
+        assert route_winner(fm, "2026-12-03T00:00:00Z", fleet) is None, other
+    # The same served name and matches from another namespace, on the same Gateway: a conflict.
+    elsewhere = stored("a-older", "2026-12-04T00:00:00Z", edge, namespace="team-b")
+    assert route_winner(FlashModel.from_body(elsewhere), "2026-12-04T00:00:00Z", fleet) == "serving/a-older"
+
+
+def test_a_younger_conflicting_model_gets_its_pool_but_no_route_on_the_real_api_server(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    _establish(control_plane, POOL_CRD, POOL_CRD_NAME)
+    ns = k8s_namespace
+    models = WatchedModels()
+    watching = Cluster(cluster.api, models=models)
+    routing = {"gateway": {"name": "edge"}, "headers": [{"name": "X-Task-Type", "value": "chat"}]}
+    spec = {"model": PVC_MODEL, "replicas": 1, "routing": routing}
+    first = _apply(control_plane, ns, "first", spec)
+    models.event("ADDED", first)
+    time.sleep(1.1)  # creation timestamps have whole seconds
+    second = _apply(control_plane, ns, "second", spec)
+    models.event("ADDED", second)
+    # Without the Gateway API CRDs the route itself is refused (404): the younger model's route is not
+    # even tried, which the outcome shows.
+    outcome = reconcile(watching, second)
+    assert "HTTPRoute/second" not in outcome.applied and outcome.applied["InferencePool/second"] == "created"
+    stored = _apply(control_plane, ns, "second", spec)
+    routing_condition = _condition(stored, "Routing")
+    assert routing_condition is not None and routing_condition["reason"] == "RouteConflict"
+    assert f"{ns}/first" in routing_condition["message"] and "x-task-type: chat" in routing_condition["message"]
+    assert stored["status"]["routing"]["conflict"] == f"{ns}/first"
+    events = control_plane.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "involvedObject.name=second,reason=RouteConflict",
+        "-o", "jsonpath={.items[*].message}",
+    ).stdout
+    assert "already routes the same requests" in events
