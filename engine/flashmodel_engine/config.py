@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
 from flashmodel_engine.contract import ENGINE_PORT, SHIM_PORT
@@ -37,9 +37,22 @@ class ModelSource(_Strict):
     )
     revision: str | None = Field(
         default=None, min_length=1,
-        description="Hub branch, tag or commit of the weights and of any remote code (--revision, --code-revision); "
-        "None: the hub's default branch.",
+        description="Hub branch, tag or commit of the weights, the tokenizer and any remote code (--revision, "
+        "--code-revision); None: the hub's default branch.",
     )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Run the model's own Python code (--trust-remote-code); the operator allows it only with a "
+        "hub revision pinned to a commit.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _inside_source(cls, path: str) -> str:
+        # The operator renders /models/<pvc path> or /model-image/<image path>: a `..` would leave the volume.
+        if path.startswith("/") and ".." in PurePosixPath(path).parts:
+            raise ValueError(f"model.path {path!r} has a '..' segment; the model must stay inside its volume")
+        return path
 
 
 class EngineSettings(_Strict):
@@ -109,8 +122,17 @@ class EngineSettings(_Strict):
     extra_args: list[ArgText] = Field(
         default_factory=list, max_length=64,
         description=(
-            "More vLLM server flags, one token per entry. None may set a flag the operator or the profile "
-            "enforces; the rejection names the FlashModel field to use instead."
+            "More vLLM server flags, one token per entry. Each must be on the allow-list of flags known to be "
+            "safe under the profile (docs/design.md, \"Extra args\"), or on the cluster admin's addition to it "
+            "(the chart's engineExtraArgs.allowed); a refusal of an enforced flag names the FlashModel field to "
+            "use instead."
+        ),
+    )
+    extra_args_allowed: list[ArgText] = Field(
+        default_factory=list, max_length=64,
+        description=(
+            "The cluster admin's additions to the extraArgs allow-list that extraArgs use (the chart's "
+            "engineExtraArgs.allowed; the operator writes it, no FlashModel field sets it)."
         ),
     )
     cpu_kv_cache_space_gib: int = Field(
