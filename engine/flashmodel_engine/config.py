@@ -42,8 +42,12 @@ class ModelSource(_Strict):
     )
     trust_remote_code: bool = Field(
         default=False,
-        description="Run the model's own Python code (--trust-remote-code); the operator allows it only with a "
-        "hub revision pinned to a commit.",
+        description=(
+            "Run the model's own Python code from its source, for architectures vLLM does not implement "
+            "(--trust-remote-code). A hub model must pin hub.revision to a full 40-hex commit id and an image "
+            "model its reference to a sha256 digest, so every pod runs the code that was reviewed; a pvc model "
+            "runs the code on its claim. Default false."
+        ),
     )
 
     @field_validator("path")
@@ -123,9 +127,9 @@ class EngineSettings(_Strict):
         default_factory=list, max_length=64,
         description=(
             "More vLLM server flags, one token per entry. Each must be on the allow-list of flags known to be "
-            "safe under the profile (docs/design.md, \"Extra args\"), or on the cluster admin's addition to it "
-            "(the chart's engineExtraArgs.allowed); a refusal of an enforced flag names the FlashModel field to "
-            "use instead."
+            "safe under the profile (sampling, tool and reasoning parsers, logging, scheduling order), or on the "
+            "cluster admin's addition to it (the chart's engineExtraArgs.allowed); a refusal names the flag and "
+            "what to do instead, such as the FlashModel field that sets it."
         ),
     )
     extra_args_allowed: list[ArgText] = Field(

@@ -103,15 +103,17 @@ MEMORY_PLAN_FLAGS: dict[str, str] = {
 }
 # Flags that change where the weights, the tokenizer or the model's config come from; the value says what
 # to do instead. What runs is what spec.model names, at the revision it pins.
+_TRUST = "remove it and set spec.model.trustRemoteCode instead (a hub model pins spec.model.hub.revision to a commit)"
+_TOKENIZER = "remove it; the tokenizer comes from the model's own source, at spec.model.hub.revision for a hub model"
+_WEIGHTS = "remove it; the engine loads the weights spec.model names, in their own format"
 SOURCE_FLAGS: dict[str, str] = {
-    "--trust-remote-code": "remove it and set spec.model.trustRemoteCode instead (a hub model must pin "
-                           "spec.model.hub.revision to a commit)",
-    "--no-trust-remote-code": "remove it; spec.model.trustRemoteCode decides it",
-    "--tokenizer": "remove it; the tokenizer comes from the model's own source at its revision",
-    "--tokenizer-revision": "remove it; the tokenizer follows spec.model.hub.revision",
-    "--load-format": "remove it; the engine loads the weights spec.model names, in their own format",
+    "--trust-remote-code": _TRUST,
+    "--no-trust-remote-code": _TRUST,
+    "--tokenizer": _TOKENIZER,
+    "--tokenizer-revision": _TOKENIZER,
+    "--load-format": _WEIGHTS,
+    "--model-loader-extra-config": _WEIGHTS,
     "--download-dir": "remove it; the hub cache is spec.model.hub.cache",
-    "--model-loader-extra-config": "remove it; the engine loads the weights spec.model names",
     "--hf-config-path": "remove it; the model's config comes from its own source",
     "--hf-token": "remove it and set spec.model.hub.tokenSecretRef instead",
     "--allowed-local-media-path": "remove it; requests may not read files of the engine pod",
