@@ -140,5 +140,5 @@ def test_paths_inside_their_source_still_render() -> None:
 def test_the_engine_refuses_a_path_that_leaves_its_volume() -> None:
     from flashmodel_engine.config import ConfigError, parse_config
 
-    with pytest.raises(ConfigError, match="'..' segment"):
+    with pytest.raises(ConfigError, match=r"'\.\.' segment"):
         parse_config({"model": {"path": "/models/../../etc", "servedName": "x"}})
