@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 from flashmodel_operator import extra_args_policy
+from flashmodel_operator.conditions import Problem
 from flashmodel_operator.model import FlashModel
-from flashmodel_operator.reconcile import Problem, _parse, engine_args
+from flashmodel_operator.reconcile import _parse, engine_args
 from flashmodel_operator.render import engine_config, model_path, render_pod_template
 from pydantic import ValidationError
 
