@@ -167,3 +167,13 @@ def test_chunked_prefill_counts_only_where_the_last_of_its_flags_turns_it_on() -
     with pytest.raises(ProfileError, match="below maxModelLen"):
         vllm_args(make(maxNumBatchedTokens=1024, extraArgs=["--enable-chunked-prefill", "--no-enable-chunked-prefill"]))
     vllm_args(make(maxNumBatchedTokens=1024, extraArgs=["--no-enable-chunked-prefill", "--enable-chunked-prefill"]))
+
+
+def test_the_design_doc_lists_every_allowed_and_never_allowed_flag() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    section = doc.split("#### Extra args", 1)[1].split("\n### ", 1)[0]
+    words = set(section.replace("`", " ").replace("/", " ").replace(",", " ").replace("(", " ").split())
+    missing = [f for f in (*ALLOWED_FLAGS, *SOURCE_FLAGS, *CODE_FLAGS) if f not in words]
+    assert missing == [], f"docs/design.md, 'Extra args', does not name {missing}"
