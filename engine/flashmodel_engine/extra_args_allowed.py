@@ -13,8 +13,6 @@ from __future__ import annotations
 ALLOWED_FLAGS: dict[str, str] = {
     # Sampling and responses: what one request gets back, nothing the pod holds.
     "--seed": "the sampling seed; reproducibility only",
-    "--max-logprobs": "caps the logprobs a request may ask for",
-    "--logprobs-mode": "whether logprobs are raw or processed; what a response carries",
     "--response-role": "the role name of chat completions' answers",
     "--return-tokens-as-token-ids": "token ids in logprobs instead of text",
     "--no-return-tokens-as-token-ids": "vLLM's default",
@@ -61,4 +59,9 @@ ALLOWED_FLAGS: dict[str, str] = {
     "--scheduling-policy": "fcfs or priority order of waiting requests",
     "--long-prefill-token-threshold": "a prompt longer than this counts as long for the chunked-prefill scheduler",
 }
-"""Option string -> why it is safe under the profile: memory, devices and sources stay the profile's."""
+"""Option string -> why it is safe under the profile: memory, devices and sources stay the profile's.
+
+Not here though they look harmless: --max-logprobs (vLLM's memory profile samples without logprobs,
+so a raised cap lets a request's prompt logprobs take GPU memory outside gpuMemoryUtilization) and
+--logprobs-mode (its processed modes keep another copy of the logits).
+"""

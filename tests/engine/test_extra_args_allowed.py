@@ -66,6 +66,7 @@ def test_source_and_code_flags_are_refused_however_spelt(
     ["--enable-prompt-embeds"], ["--enable-sleep-mode"], ["--api-server-count", "2"], ["--model-impl", "vllm"],
     ["--disable-log-stats"], ["--skip-tokenizer-init"], ["--allowed-origins", "[\"*\"]"], ["--ssl-keyfile", "/k"],
     ["--enable-lora"], ["--tool-server", "demo"], ["--trust-request-chat-template"], ["--headless"],
+    ["--max-logprobs", "-1"], ["--logprobs-mode", "processed_logits"],
 ])
 @pytest.mark.parametrize(("options", "strict"), WHERE)
 def test_a_flag_off_the_allow_list_is_refused_with_how_to_ask_for_it(
@@ -98,7 +99,7 @@ def test_every_allowed_flag_is_accepted(flag: str, options: Any, strict: bool) -
     table = options or TABLES["0.32.0"]
     nargs = table[flag][1]
     value = {"--default-chat-template-kwargs": "{}", "--override-generation-config": "{}",
-             "--uvicorn-log-level": "info", "--scheduling-policy": "priority", "--logprobs-mode": "raw_logprobs",
+             "--uvicorn-log-level": "info", "--scheduling-policy": "priority",
              "--chat-template-content-format": "auto", "--tool-call-parser": "hermes",
              "--reasoning-parser": "deepseek_r1", "--response-role": "assistant",
              "--disable-access-log-for-endpoints": "/health"}.get(flag, "1")
