@@ -53,8 +53,9 @@ class ModelSource(_Strict):
     @field_validator("path")
     @classmethod
     def _inside_source(cls, path: str) -> str:
-        # The operator renders /models/<pvc path> or /model-image/<image path>: a `..` would leave the volume.
-        if path.startswith("/") and ".." in PurePosixPath(path).parts:
+        # The operator renders /models/<pvc path> or /model-image/<image path>: a `..` would leave the
+        # volume. A hub id (org/name) has none either.
+        if ".." in PurePosixPath(path).parts:
             raise ValueError(f"model.path {path!r} has a '..' segment; the model must stay inside its volume")
         return path
 
