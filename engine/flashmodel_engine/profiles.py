@@ -236,6 +236,12 @@ NEVER_ALLOWED: tuple[str, ...] = (
 EXTENSION_FIELD = "engine.extraArgsAllowed"
 """The engine-config key of the admin's extension this model uses (the chart's engineExtraArgs.allowed)."""
 _ASK_ADMIN = "ask the cluster admin to add it to the chart's engineExtraArgs.allowed"
+# The never-allowed tables whose value says what to do instead, with what a flag of each does.
+_GROUPS: tuple[tuple[dict[str, str], str], ...] = (
+    (MEMORY_PLAN_FLAGS, "changes the memory plan with"),
+    (SOURCE_FLAGS, "changes the model's source with"),
+    (CODE_FLAGS, "loads code with"),
+)
 
 
 def _refusals(options: Options, set_keys: frozenset[str] = frozenset()) -> dict[str, tuple[str, str, str]]:
@@ -254,12 +260,7 @@ def _refusals(options: Options, set_keys: frozenset[str] = frozenset()) -> dict[
         table.setdefault(
             dest_of(flag, options), (target, enforced, f"remove it and set {ENFORCED_FLAGS[target]} instead")
         )
-    groups = (
-        (MEMORY_PLAN_FLAGS, "changes the memory plan with"),
-        (SOURCE_FLAGS, "changes the model's source with"),
-        (CODE_FLAGS, "loads code with"),
-    )
-    for flags, verb in groups:
+    for flags, verb in _GROUPS:
         for flag, instead in flags.items():
             table.setdefault(dest_of(flag, options), (flag, verb, instead))
     return table
@@ -271,8 +272,7 @@ def _name_refusal(flag: str, set_keys: frozenset[str]) -> tuple[str, str, str] |
     if flag in ENFORCED_FLAGS or (flag in ENFORCED_WHEN_SET and ENFORCED_WHEN_SET[flag] in set_keys):
         field = ENFORCED_FLAGS.get(flag) or ENFORCED_WHEN_SET[flag]
         return flag, "sets the enforced flag", f"remove it and set {field} instead"
-    for flags, verb in ((MEMORY_PLAN_FLAGS, "changes the memory plan with"),
-                        (SOURCE_FLAGS, "changes the model's source with"), (CODE_FLAGS, "loads code with")):
+    for flags, verb in _GROUPS:
         if flag in flags:
             return flag, verb, flags[flag]
     return None
