@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
 from flashmodel_engine.contract import ENGINE_PORT, SHIM_PORT
@@ -37,9 +37,27 @@ class ModelSource(_Strict):
     )
     revision: str | None = Field(
         default=None, min_length=1,
-        description="Hub branch, tag or commit of the weights and of any remote code (--revision, --code-revision); "
-        "None: the hub's default branch.",
+        description="Hub branch, tag or commit of the weights, the tokenizer and any remote code (--revision, "
+        "--code-revision); None: the hub's default branch.",
     )
+    trust_remote_code: bool = Field(
+        default=False,
+        description=(
+            "Run the model's own Python code from its source, for architectures vLLM does not implement "
+            "(--trust-remote-code). A hub model must pin hub.revision to a full 40-hex commit id and an image "
+            "model its reference to a sha256 digest, so every pod runs the code that was reviewed; a pvc model "
+            "runs the code on its claim. Default false."
+        ),
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _inside_source(cls, path: str) -> str:
+        # The operator renders /models/<pvc path> or /model-image/<image path>: a `..` would leave the
+        # volume. A hub id (org/name) has none either.
+        if ".." in PurePosixPath(path).parts:
+            raise ValueError(f"model.path {path!r} has a '..' segment; the model must stay inside its volume")
+        return path
 
 
 class EngineSettings(_Strict):
@@ -109,8 +127,17 @@ class EngineSettings(_Strict):
     extra_args: list[ArgText] = Field(
         default_factory=list, max_length=64,
         description=(
-            "More vLLM server flags, one token per entry. None may set a flag the operator or the profile "
-            "enforces; the rejection names the FlashModel field to use instead."
+            "More vLLM server flags, one token per entry. Each must be on the allow-list of flags known to be "
+            "safe under the profile (sampling, tool and reasoning parsers, logging, scheduling order), or on the "
+            "cluster admin's addition to it (the chart's engineExtraArgs.allowed); a refusal names the flag and "
+            "what to do instead, such as the FlashModel field that sets it."
+        ),
+    )
+    extra_args_allowed: list[ArgText] = Field(
+        default_factory=list, max_length=64,
+        description=(
+            "The cluster admin's additions to the extraArgs allow-list that extraArgs use (the chart's "
+            "engineExtraArgs.allowed; the operator writes it, no FlashModel field sets it)."
         ),
     )
     cpu_kv_cache_space_gib: int = Field(

@@ -6,10 +6,13 @@ Imports nothing heavy: the operator calls `vllm_args` for `status.engineArgs`.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashmodel_engine.config import EngineConfig, EngineSettings
 from flashmodel_engine.engine_version import SUPPORTED_RANGE
+from flashmodel_engine.extra_args_allowed import ALLOWED_FLAGS
 from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
 from flashmodel_engine.quantization import method_problems
 from flashmodel_engine.vllm_flags import Options, dest_of
@@ -97,6 +100,32 @@ MEMORY_PLAN_FLAGS: dict[str, str] = {
     "--spec-model": "remove it; a draft model's weights and KV cache are outside the memory plan",
     "--spec-tokens": "remove it; a draft model's weights and KV cache are outside the memory plan",
     "--hf-overrides": "remove it; it can change the context length and layers the memory plan counts",
+}
+# Flags that change where the weights, the tokenizer or the model's config come from; the value says what
+# to do instead. What runs is what spec.model names, at the revision it pins.
+_TRUST = "remove it and set spec.model.trustRemoteCode instead (a hub model pins spec.model.hub.revision to a commit)"
+_TOKENIZER = "remove it; the tokenizer comes from the model's own source, at spec.model.hub.revision for a hub model"
+_WEIGHTS = "remove it; the engine loads the weights spec.model names, in their own format"
+SOURCE_FLAGS: dict[str, str] = {
+    "--trust-remote-code": _TRUST,
+    "--no-trust-remote-code": _TRUST,
+    "--tokenizer": _TOKENIZER,
+    "--tokenizer-revision": _TOKENIZER,
+    "--load-format": _WEIGHTS,
+    "--model-loader-extra-config": _WEIGHTS,
+    "--download-dir": "remove it; the hub cache is spec.model.hub.cache",
+    "--hf-config-path": "remove it; the model's config comes from its own source",
+    "--hf-token": "remove it and set spec.model.hub.tokenSecretRef instead",
+    "--allowed-local-media-path": "remove it; requests may not read files of the engine pod",
+}
+# Flags that load Python code or plugins into vLLM (from a path, a module or a class name): such code
+# runs past every check. Remote code of the model itself is spec.model.trustRemoteCode's, pinned.
+CODE_FLAGS: dict[str, str] = {
+    flag: "remove it; it loads Python code into the engine"
+    for flag in (
+        "--middleware", "--logits-processors", "--tool-parser-plugin", "--reasoning-parser-plugin",
+        "--io-processor-plugin", "--worker-cls", "--worker-extension-cls", "--scheduler-cls",
+    )
 }
 
 # vLLM's names for our attentionBackend values on GPUs.
@@ -199,38 +228,87 @@ class ResolvedEngine:
     """spec.model.quantization as written: auto is resolved against the checkpoint by the preflight."""
 
 
-def _refusals(options: Options, set_keys: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
-    """dest -> (the flag to name, what to do instead), for every dest an extra arg must not reach.
+# Refused whatever the cluster admin's extension says: the flags the profile, the memory plan, the model's
+# source and the engine's code depend on (docs/design.md, "Extra args").
+NEVER_ALLOWED: tuple[str, ...] = (
+    *ENFORCED_FLAGS, *ALIASES, *ENFORCED_WHEN_SET, CONFIG_FLAG, *MEMORY_PLAN_FLAGS, *SOURCE_FLAGS, *CODE_FLAGS,
+)
+EXTENSION_FIELD = "engine.extraArgsAllowed"
+"""The engine-config key of the admin's extension this model uses (the chart's engineExtraArgs.allowed)."""
+_ASK_ADMIN = "ask the cluster admin to add it to the chart's engineExtraArgs.allowed"
+# The never-allowed tables whose value says what to do instead, with what a flag of each does.
+_GROUPS: tuple[tuple[dict[str, str], str], ...] = (
+    (MEMORY_PLAN_FLAGS, "changes the memory plan with"),
+    (SOURCE_FLAGS, "changes the model's source with"),
+    (CODE_FLAGS, "loads code with"),
+)
+
+
+def _refusals(options: Options, set_keys: frozenset[str] = frozenset()) -> dict[str, tuple[str, str, str]]:
+    """dest -> (the flag to name, what it does, what to do instead), for every dest an extra arg must not reach.
 
     `set_keys`: the ENFORCED_WHEN_SET keys the config sets, whose flags are refused too.
     """
-    table: dict[str, tuple[str, str]] = {}
+    table: dict[str, tuple[str, str, str]] = {}
+    enforced = "sets the enforced flag"
     for flag, field in ENFORCED_FLAGS.items():
-        table[dest_of(flag, options)] = (flag, f"remove it and set {field} instead")
+        table[dest_of(flag, options)] = (flag, enforced, f"remove it and set {field} instead")
     for flag, field in ENFORCED_WHEN_SET.items():
         if field in set_keys:
-            table.setdefault(dest_of(flag, options), (flag, f"remove it; {field} is set and decides it"))
+            table.setdefault(dest_of(flag, options), (flag, enforced, f"remove it; {field} is set and decides it"))
     for flag, target in ALIASES.items():
-        table.setdefault(dest_of(flag, options), (target, f"remove it and set {ENFORCED_FLAGS[target]} instead"))
-    for flag, instead in MEMORY_PLAN_FLAGS.items():
-        table.setdefault(dest_of(flag, options), (flag, instead))
+        table.setdefault(
+            dest_of(flag, options), (target, enforced, f"remove it and set {ENFORCED_FLAGS[target]} instead")
+        )
+    for flags, verb in _GROUPS:
+        for flag, instead in flags.items():
+            table.setdefault(dest_of(flag, options), (flag, verb, instead))
     return table
 
 
-def _verb(flag: str) -> str:
-    return "changes the memory plan with" if flag in MEMORY_PLAN_FLAGS else "sets the enforced flag"
+def _name_refusal(flag: str, set_keys: frozenset[str]) -> tuple[str, str, str] | None:
+    """(flag, verb, instead) for a guarded flag judged by its name alone (a table that lacks it)."""
+    flag = ALIASES.get(flag, flag)
+    if flag in ENFORCED_FLAGS or (flag in ENFORCED_WHEN_SET and ENFORCED_WHEN_SET[flag] in set_keys):
+        field = ENFORCED_FLAGS.get(flag) or ENFORCED_WHEN_SET[flag]
+        return flag, "sets the enforced flag", f"remove it and set {field} instead"
+    for flags, verb in _GROUPS:
+        if flag in flags:
+            return flag, verb, flags[flag]
+    return None
 
 
 def _guarded_names(set_keys: frozenset[str]) -> list[str]:
     when_set = [flag for flag, key in ENFORCED_WHEN_SET.items() if key in set_keys]
-    return [*ENFORCED_FLAGS, *ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS, *when_set]
+    return [*ENFORCED_FLAGS, *ALIASES, CONFIG_FLAG, *MEMORY_PLAN_FLAGS, *SOURCE_FLAGS, *CODE_FLAGS, *when_set]
+
+
+def allowed_flags(extension: frozenset[str] = frozenset(), set_keys: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The option strings extraArgs may name: the allow-list, the admin's extension, the unset ENFORCED_WHEN_SET."""
+    when_unset = {flag for flag, key in ENFORCED_WHEN_SET.items() if key not in set_keys}
+    return frozenset(ALLOWED_FLAGS) | extension | when_unset
+
+
+def _unknown_problem(where: str, name: str, set_keys: frozenset[str]) -> tuple[bool, str]:
+    # A table may lack a guarded flag that another vLLM has: judge it by its name too.
+    guarded = [f for f in _guarded_names(set_keys) if f.startswith(name) and len(name) > 2]
+    refusal = _name_refusal(guarded[0], set_keys) if guarded else None
+    if refusal is None and guarded:  # the config flag
+        return False, f"{where}: a vLLM config file could override enforced flags; put its settings into the spec"
+    if refusal is not None:
+        flag, verb, instead = refusal
+        read_as = f" (vLLM reads {name} as {guarded[0]})" if guarded[0] != name else ""
+        return False, f"{where}{read_as} {verb} {flag}; {instead}"
+    return True, f"{where}: vLLM has no flag {name}; check its spelling (vLLM would refuse to start)"
 
 
 def _table_problems(
-    extra_args: list[str], table: Options, set_keys: frozenset[str] = frozenset()
+    extra_args: list[str], table: Options, set_keys: frozenset[str] = frozenset(),
+    extension: frozenset[str] = frozenset(),
 ) -> dict[int, tuple[bool, str]]:
     """index -> (whether the only fault is a flag this table lacks, the problem line), against one table."""
     refusals = _refusals(table, set_keys)
+    allowed = allowed_flags(extension, set_keys)
     config_dest = dest_of(CONFIG_FLAG, table)
     problems: dict[int, tuple[bool, str]] = {}
     for r in resolve_args(extra_args, table):
@@ -240,8 +318,11 @@ def _table_problems(
             problems[r.index] = (False, f"{where}: a vLLM config file could override enforced flags; "
                                         "put its settings into the FlashModel spec instead")
         elif r.kind == "option" and r.dest in refusals:
-            flag, instead = refusals[r.dest]
-            problems[r.index] = (False, f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
+            flag, verb, instead = refusals[r.dest]
+            problems[r.index] = (False, f"{where}{read_as} {verb} {flag}; {instead}")
+        elif r.kind == "option" and r.option not in allowed:
+            problems[r.index] = (False, f"{where}{read_as}: {r.option} is not on the allow-list of vLLM flags known "
+                                        f"to be safe under the profile; remove it, or {_ASK_ADMIN}")
         elif r.kind == "ambiguous":
             guarded = [c for c in r.candidates if table[c][0] in refusals or table[c][0] == config_dest]
             shown = ", ".join(r.candidates[:4]) + (", ..." if len(r.candidates) > 4 else "")
@@ -249,17 +330,7 @@ def _table_problems(
                                         + (f", among them the enforced {guarded[0]}" if guarded else "")
                                         + "; write the flag in full")
         elif r.kind == "unknown":
-            # A table may lack a guarded flag that another vLLM has: judge it by its name too.
-            guarded = [f for f in _guarded_names(set_keys) if f.startswith(r.name) and len(r.name) > 2]
-            if guarded:
-                flag = ALIASES.get(guarded[0], guarded[0])
-                read_as = f" (vLLM reads {r.name} as {guarded[0]})" if guarded[0] != r.name else ""
-                field = ENFORCED_FLAGS.get(flag) or ENFORCED_WHEN_SET.get(flag, "the FlashModel spec")
-                instead = MEMORY_PLAN_FLAGS.get(flag) or f"remove it and set {field} instead"
-                problems[r.index] = (False, f"{where}{read_as} {_verb(flag)} {flag}; {instead}")
-            else:
-                problems[r.index] = (True, f"{where}: vLLM has no flag {r.name}; check its spelling "
-                                           "(vLLM would refuse to start)")
+            problems[r.index] = _unknown_problem(where, r.name, set_keys)
         elif r.kind == "positional":
             problems[r.index] = (False, f"{where} is not the value of a flag before it, and vLLM would take it "
                                         "for its positional model argument; put each flag and its value in "
@@ -270,58 +341,107 @@ def _table_problems(
     return problems
 
 
+def extension_problems(extension: Iterable[str], options: Options | None = None) -> list[str]:
+    """Why entries of the admin's allow-list extension cannot be allowed: spelling, unknown, or never allowed.
+
+    Each entry is a vLLM option string in full (`--generation-config`); `options` is one vLLM's table
+    (the pod's), else every stored table is asked.
+    """
+    tables = list(TABLES.values()) if options is None else [options]
+    all_keys = frozenset(ENFORCED_WHEN_SET.values())
+    problems = []
+    for flag in extension:
+        if not re.fullmatch(r"--[a-z0-9][a-z0-9-]*", flag):
+            problems.append(f"{flag!r} is not a vLLM flag in full (--name, lower case, no value); write it so")
+            continue
+        having = [t for t in tables if flag in t]
+        if flag in NEVER_ALLOWED or any(
+            t[flag][0] in _refusals(t, all_keys) or t[flag][0] == dest_of(CONFIG_FLAG, t) for t in having
+        ):
+            problems.append(
+                f"{flag} can never be allowed: it sets what the profile enforces, the memory plan, the model's "
+                "source or the engine's code (docs/design.md, \"Extra args\"); remove it from the allow-list"
+            )
+        elif not having:
+            problems.append(f"{flag}: no supported vLLM has this flag; check its spelling (write it in full)")
+    return problems
+
+
+def used_extension(extra_args: list[str], extension: Iterable[str]) -> list[str]:
+    """The entries of the admin's extension these extra args name (in any stored vLLM's reading), sorted.
+
+    The operator writes only these into the engine config, so a change to the cluster's list rolls
+    only the models that use what changed.
+    """
+    wanted = set(extension)
+    used = {r.option for table in TABLES.values() for r in resolve_args(extra_args, table) if r.option in wanted}
+    return sorted(o for o in used if o is not None)
+
+
 def check_extra_args(
     extra_args: list[str], options: Options | None = None, *, strict: bool = False,
-    set_keys: frozenset[str] = frozenset(),
+    set_keys: frozenset[str] = frozenset(), extension: Iterable[str] = (),
 ) -> list[str]:
-    """One problem line per extra arg that sets an enforced or memory-plan flag, however it is spelt.
+    """One problem line per extra arg that is not on the allow-list or sets a guarded flag, however it is spelt.
 
-    `set_keys` are the ENFORCED_WHEN_SET keys the config sets (see `set_keys`): their flags count as enforced.
+    `set_keys` are the ENFORCED_WHEN_SET keys the config sets (see `set_keys`): their flags count as
+    enforced. `extension` is the cluster admin's addition to the allow-list; an entry that may never
+    be allowed is a problem line of its own.
 
     With `options` (one vLLM's table: the installed parser's, in the pod) the args are judged as that
     vLLM reads them, and with `strict` a flag it does not know is refused too. Without `options`
     (the operator, which cannot see the image's vLLM before a pod starts) they are judged against
     every supported version's stored table (vllm_options.TABLES): refused when any version reads
-    them as a guarded flag, and a flag is refused unless every stored version has it, since a
-    vLLM without it refuses to start and the pod would crash-loop. The message names the versions
-    that have it.
+    them as a flag that is not allowed, and a flag is refused unless every stored version has it,
+    since a vLLM without it refuses to start and the pod would crash-loop. The message names the
+    versions that have it.
     """
+    extension = tuple(extension)
+    problems = [f"{EXTENSION_FIELD}: {line}" for line in extension_problems(extension, options)]
+    allowed = frozenset(extension)
     if options is not None:
-        one = _table_problems(extra_args, options, set_keys)
-        return [line for _, (unknown, line) in sorted(one.items()) if strict or not unknown]
-    per_version = {version: _table_problems(extra_args, table, set_keys) for version, table in TABLES.items()}
-    problems = []
+        one = _table_problems(extra_args, options, set_keys, allowed)
+        return problems + [line for _, (unknown, line) in sorted(one.items()) if strict or not unknown]
+    per_version = {v: _table_problems(extra_args, table, set_keys, allowed) for v, table in TABLES.items()}
     for index in sorted({i for at in per_version.values() for i in at}):
         found = {v: per_version[v][index] for v in TABLES if index in per_version[v]}
         refused = [line for unknown, line in found.values() if not unknown]
         if refused:
             problems.append(refused[0])
             continue
-        lacking = list(found)
-        having = [v for v in TABLES if v not in found]
-        token = extra_args[index]
-        where = f"engine.extraArgs[{index}] {token!r}"
-        if not having:
-            problems.append(
-                f"{where}: vLLM has no flag {token.split('=')[0]} in any supported version with a stored table "
-                f"({', '.join(TABLES)}); check its spelling (vLLM would refuse to start)"
-            )
-        else:
-            problems.append(
-                f"{where}: only vLLM {', '.join(having)} has this flag, {', '.join(lacking)} does not; the engine "
-                f"image may run any supported vLLM ({SUPPORTED_RANGE}) and one without it refuses to start: "
-                "remove it, or use a flag every supported version has"
-            )
+        problems.append(_version_problem(extra_args[index], index, list(found)))
     return problems
+
+
+def _version_problem(token: str, index: int, lacking: list[str]) -> str:
+    where = f"engine.extraArgs[{index}] {token!r}"
+    having = [v for v in TABLES if v not in lacking]
+    if not having:
+        return (
+            f"{where}: vLLM has no flag {token.split('=')[0]} in any supported version with a stored table "
+            f"({', '.join(TABLES)}); check its spelling (vLLM would refuse to start)"
+        )
+    return (
+        f"{where}: only vLLM {', '.join(having)} has this flag, {', '.join(lacking)} does not; the engine "
+        f"image may run any supported vLLM ({SUPPORTED_RANGE}) and one without it refuses to start: "
+        "remove it, or use a flag every supported version has"
+    )
 
 
 def chunked_prefill(extra_args: list[str], options: Options | None = None) -> bool:
     """Whether the extra args turn on chunked prefill (then the prefill cap may be below maxModelLen)."""
     # Without one vLLM's table: on only where every supported version reads it so.
     tables = list(TABLES.values()) if options is None else [options]
-    return all(
-        any(r.option == "--enable-chunked-prefill" for r in resolve_args(extra_args, table)) for table in tables
-    )
+    return all(_chunked_prefill_last(extra_args, table) for table in tables)
+
+
+def _chunked_prefill_last(extra_args: list[str], table: Options) -> bool:
+    # argparse keeps the last of --enable-chunked-prefill and --no-enable-chunked-prefill.
+    on = False
+    for r in resolve_args(extra_args, table):
+        if r.option in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+            on = r.option == "--enable-chunked-prefill"
+    return on
 
 
 def set_keys(config: EngineConfig) -> frozenset[str]:
@@ -413,7 +533,9 @@ def resolve(config: EngineConfig, options: Options | None = None, *, strict: boo
     if quantization not in ("auto", "none"):
         problems.extend(method_problems(quantization, profile.name, dtype))
 
-    problems.extend(check_extra_args(e.extra_args, options, strict=strict, set_keys=set_keys(config)))
+    problems.extend(check_extra_args(
+        e.extra_args, options, strict=strict, set_keys=set_keys(config), extension=e.extra_args_allowed
+    ))
     if problems:
         raise ProfileError(problems)
     return ResolvedEngine(
@@ -479,6 +601,8 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
         args += ["--quantization", method]
     if config.model.revision is not None:
         args += ["--revision", config.model.revision, "--code-revision", config.model.revision]
+    if config.model.trust_remote_code:
+        args.append("--trust-remote-code")
     if config.observability.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", config.observability.otlp_traces_endpoint]
     return args

@@ -8,6 +8,7 @@ the rules that restate the engine's profile, quantization and flag tables come f
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from flashmodel_engine.config import (
@@ -17,6 +18,7 @@ from flashmodel_engine.config import (
     Dtype,
     EngineSettings,
     HealthSettings,
+    ModelSource,
     PrewarmSettings,
     RemediationSettings,
 )
@@ -24,7 +26,7 @@ from flashmodel_engine.profiles import PROFILES
 
 # spec.model.quantization's values: the engine's table is the one list (the CRD's enum is generated from it).
 from flashmodel_engine.quantization import Quantization as Quantization
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from flashmodel_operator.spec_fields import engine_field
@@ -41,6 +43,10 @@ class _Spec(BaseModel):
     field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {}
 
 
+PINNED_REVISION = "^[0-9a-f]{40}$"
+"""A hub commit id in full: the only revision that cannot move."""
+PINNED_IMAGE = "@sha256:[0-9a-f]{64}$"
+
 # The accelerator a FlashModel gets when it names none; its profile gives the CRD's engine defaults.
 _DEFAULT_ACCELERATOR: Accelerator = "t4"
 _DEFAULT_PROFILE = PROFILES[_DEFAULT_ACCELERATOR]
@@ -51,29 +57,59 @@ ObjectName = Annotated[str, Field(min_length=1, max_length=253)]
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 PathText = Annotated[str, Field(max_length=1024)]
 
+# A path inside a model source stays inside it: the engine gets /models/<path> or /model-image/<path>.
+_NO_PARENT_SEGMENT = "!self.matches('(^|/)[.][.](/|$)')"
+
+
+def _inside_rule(field: str, instead: str = "name the directory from the source's root, e.g. models/qwen") -> Rule:
+    return Rule(
+        _NO_PARENT_SEGMENT, f"{field} must not have a '..' segment: the model must stay inside its source; {instead}"
+    )
+
+
+def _inside(path: str, field: str) -> str:
+    """The operator's own check of _inside_rule, for objects stored before the CRD had it."""
+    if ".." in path.split("/"):
+        raise ValueError(f"{field} {path!r} has a '..' segment: the model must stay inside its source")
+    return path
+
 
 class PVCSource(_Spec):
     """A model directory on a PersistentVolumeClaim, mounted read-only at /models."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {"path": (_inside_rule("pvc.path"),)}
 
     claim_name: ObjectName = Field(
         description="Name of the PersistentVolumeClaim in the FlashModel's namespace.",
     )
     path: PathText = Field(
         default="",
-        description="Directory of the model inside the claim; empty means the claim's root.",
+        description="Directory of the model inside the claim; empty means the claim's root. No '..' segments.",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _path_inside(cls, path: str) -> str:
+        return _inside(path, "spec.model.pvc.path")
 
 
 class ImageSource(_Spec):
     """A model packaged in an OCI image, mounted as an image volume."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {"path": (_inside_rule("image.path"),)}
 
     reference: Annotated[str, Field(min_length=1, max_length=1024)] = Field(
         description="Image reference, e.g. registry.example.com/models/qwen:1.5b.",
     )
     path: PathText = Field(
         default="/",
-        description="Directory of the model inside the image.",
+        description="Directory of the model inside the image. No '..' segments.",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _path_inside(cls, path: str) -> str:
+        return _inside(path, "spec.model.image.path")
 
 
 class HubTokenRef(_Spec):
@@ -112,16 +148,24 @@ class HubCache(_Spec):
 class HubSource(_Spec):
     """A model id that vLLM resolves itself (a hub id or a path inside the engine image)."""
 
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "id": (_inside_rule("hub.id", "write a hub id (org/name) or a path inside the engine image without '..'"),)
+    }
+
     id: ModelName = Field(
         description="Hub model id, e.g. Qwen/Qwen2.5-1.5B-Instruct.",
     )
+
+    @field_validator("id")
+    @classmethod
+    def _id_inside(cls, model_id: str) -> str:
+        return _inside(model_id, "spec.model.hub.id")
     revision: ModelName = Field(
         default="main",
         description=(
             "Branch, tag or commit of the hub model, passed to vLLM as --revision and --code-revision (the "
-            "weights and any remote code come from it; the tokenizer follows unless extraArgs names another "
-            "with --tokenizer). Default main, the hub's default branch; a commit id pins exactly what every "
-            "pod loads."
+            "weights, the tokenizer and any remote code come from it). Default main, the hub's default branch; "
+            "a commit id pins exactly what every pod loads, and trustRemoteCode needs one."
         ),
     )
     token_secret_ref: HubTokenRef | None = Field(
@@ -154,6 +198,25 @@ class ModelSpec(_Spec):
         Rule(
             "(has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) + (has(self.hub) ? 1 : 0) == 1",
             "spec.model needs exactly one source: set one of pvc, image or hub (the engine loads one model per pod)",
+        ),
+        # Remote code runs in the engine past every check: it must be the code that was reviewed, not
+        # whatever a branch, tag or image tag points at when a pod starts.
+        Rule(
+            f"!has(self.trustRemoteCode) || !self.trustRemoteCode || !has(self.hub) || "
+            f"self.hub.revision.matches('{PINNED_REVISION}')",
+            "trustRemoteCode needs spec.model.hub.revision pinned to a full 40-hex commit id: the model's code "
+            "runs in the engine, and a branch or tag can change it under running pods; set revision to the "
+            "commit you reviewed (the hub's commit history lists it)",
+            field_path=".hub.revision",
+            reason="FieldValueInvalid",
+        ),
+        Rule(
+            f"!has(self.trustRemoteCode) || !self.trustRemoteCode || !has(self.image) || "
+            f"self.image.reference.matches('{PINNED_IMAGE}')",
+            "trustRemoteCode needs spec.model.image.reference pinned to a digest (...@sha256:<64 hex>): the "
+            "model's code runs in the engine, and a tag can change it under running pods",
+            field_path=".image.reference",
+            reason="FieldValueInvalid",
         ),
     )
 
@@ -189,11 +252,23 @@ class ModelSpec(_Spec):
         ),
     )
 
+    trust_remote_code: bool = engine_field(ModelSource, "trust_remote_code")
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         sources = [s for s in (self.pvc, self.image, self.hub) if s is not None]
         if len(sources) != 1:
             raise ValueError(f"spec.model needs exactly one of pvc, image, hub; got {len(sources)}")
+        return self
+
+    @model_validator(mode="after")
+    def _pinned_code(self) -> ModelSpec:
+        # The CRD's rules above, again for objects stored before the CRD had them.
+        if self.trust_remote_code and self.hub is not None and not re.match(PINNED_REVISION, self.hub.revision):
+            raise ValueError(f"trustRemoteCode needs spec.model.hub.revision pinned to a full 40-hex commit id, "
+                             f"not {self.hub.revision!r}")
+        if self.trust_remote_code and self.image is not None and not re.search(PINNED_IMAGE, self.image.reference):
+            raise ValueError("trustRemoteCode needs spec.model.image.reference pinned to a digest (@sha256:...)")
         return self
 
 

@@ -19,9 +19,10 @@ from flashmodel_engine.contract import (
     SHIM_PORT,
     STARTUP_PATH,
 )
+from flashmodel_engine.profiles import used_extension
 from pydantic import BaseModel
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION, engine_image, network_policy
+from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION, engine_image, extra_args_policy, network_policy
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.placement import PodProfile, pod_profile
@@ -81,14 +82,24 @@ def _metadata(fm: FlashModel, name: str) -> dict[str, Any]:
 
 
 def model_path(fm: FlashModel) -> str:
-    """Where the engine finds the weights inside the pod (a hub id is passed through to vLLM)."""
+    """Where the engine finds the weights inside the pod (a hub id is passed through to vLLM).
+
+    ValueError for a path that would leave its volume (the CRD and the spec model refuse one already).
+    """
     source = fm.spec.model
     if source.pvc is not None:
-        return "/models/" + source.pvc.path.strip("/") if source.pvc.path.strip("/") else "/models"
+        return _inside("/models", source.pvc.path)
     if source.image is not None:
-        return "/model-image/" + source.image.path.strip("/") if source.image.path.strip("/") else "/model-image"
+        return _inside("/model-image", source.image.path)
     assert source.hub is not None  # the model validator guarantees exactly one source
     return source.hub.id
+
+
+def _inside(mount: str, path: str) -> str:
+    inner = path.strip("/")
+    if ".." in inner.split("/"):
+        raise ValueError(f"model path {path!r} leaves {mount}: a '..' segment; name a directory inside the source")
+    return f"{mount}/{inner}" if inner else mount
 
 
 # The spec fields every engine config has held since the config hash covered it: they are written
@@ -151,6 +162,14 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         config["model"]["revision"] = hub.revision
     if spec.observability is not None and spec.observability.otlp_traces_endpoint is not None:
         config["observability"] = engine_section("observability", spec.observability)
+    if spec.model.trust_remote_code:
+        # Only when set, like quantization below: existing models' config hashes stay as they were.
+        config["model"]["trustRemoteCode"] = True
+    # Only the admin's allow-list entries this model uses: a change to the cluster's list rolls the
+    # pods of the models that use what changed, not every model's.
+    extension = used_extension(spec.engine.extra_args, extra_args_policy.current())
+    if extension:
+        config["engine"]["extraArgsAllowed"] = extension
     if spec.model.quantization != "auto":
         # Only when set: auto is the engine's default too, and writing it would change the config
         # hash of every existing model, so upgrading the operator would restart all their pods.

@@ -1,9 +1,11 @@
 """The CRD's CEL rules that restate engine tables, generated from them so the two cannot drift.
 
 The engine owns the facts: the accelerator profiles (flashmodel_engine.profiles.PROFILES), the
-quantization methods each runs (flashmodel_engine.quantization) and the flags extraArgs may not set
-(ENFORCED_FLAGS, ALIASES, CONFIG_FLAG, MEMORY_PLAN_FLAGS). This module words them for the API
-server, which answers before a pod starts; the engine checks the same tables again at launch.
+quantization methods each runs (flashmodel_engine.quantization) and the flags extraArgs may never set
+(ENFORCED_FLAGS, ALIASES, CONFIG_FLAG, MEMORY_PLAN_FLAGS, SOURCE_FLAGS, CODE_FLAGS). This module words
+them for the API server, which answers before a pod starts; the engine checks the same tables again
+at launch. The allow-list itself is not here: the cluster admin extends it in the operator's
+configuration, which the CRD cannot see, so the operator refuses the rest (EngineConfigRefused).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass
 
 from flashmodel_engine.profiles import (
     ALIASES,
+    CODE_FLAGS,
     CONFIG_FLAG,
     ENFORCED_FLAGS,
     ENFORCED_WHEN_SET,
     MEMORY_PLAN_FLAGS,
     PROFILES,
+    SOURCE_FLAGS,
     AcceleratorProfile,
 )
 from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
@@ -105,8 +109,31 @@ def _enforced_message(flags: list[str], key: str) -> str:
     return f"extraArgs must not set {_listed(flags)} (nor abbreviate {'it' if one else 'them'}), {why}; {instead}"
 
 
+def _them(flags: Sequence[str]) -> str:
+    return "it" if len(flags) == 1 else "them"
+
+
+def _source_rules() -> list[Rule]:
+    """One rule per way of saying what to do instead (SOURCE_FLAGS), then one for the flags that load code."""
+    by_instead: dict[str, list[str]] = {}
+    for flag, instead in SOURCE_FLAGS.items():
+        by_instead.setdefault(instead, []).append(flag)
+    rules = [
+        _flag_rule(flags, f"extraArgs must not set {_listed(flags)} (nor abbreviate {_them(flags)}), the model's "
+                          f"weights, tokenizer, config and code come from spec.model; {instead}")
+        for instead, flags in by_instead.items()
+    ]
+    code = list(CODE_FLAGS)
+    rules.append(_flag_rule(
+        code,
+        f"extraArgs must not set a flag that loads Python code into the engine: {_listed(code)}, nor an "
+        "abbreviation of one; remove it (a model's own code is spec.model.trustRemoteCode's, pinned to a revision)",
+    ))
+    return rules
+
+
 def extra_args_rules() -> tuple[Rule, ...]:
-    """One rule per engine-config key the enforced flags stand for, then --config, then the memory plan."""
+    """One rule per engine-config key the enforced flags stand for, then --config, the memory plan, the source."""
     by_key: dict[str, list[str]] = {}
     for flag, key in ENFORCED_FLAGS.items():
         by_key.setdefault(key, []).append(flag)
@@ -126,6 +153,7 @@ def extra_args_rules() -> tuple[Rule, ...]:
             f"cache in the model dtype within gpuMemoryUtilization, weights on the card): {_listed(memory_plan)}, "
             "nor an abbreviation of one; remove it",
         ),
+        *_source_rules(),
     )
 
 

@@ -124,3 +124,25 @@ def test_the_schema_refuses_an_engine_image_list_entry_of_the_wrong_form(key: st
     values["engineImage"][key] = value
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+def test_the_extra_args_allow_list_extension_reaches_the_operator() -> None:
+    assert "FLASHMODEL_EXTRA_ARGS_ALLOWED" not in _env(render())
+    env = _env(render("engineExtraArgs.allowed={--generation-config,--model-impl}"))
+    assert env["FLASHMODEL_EXTRA_ARGS_ALLOWED"] == "--generation-config,--model-impl"
+
+
+@pytest.mark.parametrize("flag", ["--load-format", "--trust-remote-code", "--gpu-memory-utilization", "--tokenizer",
+                                  "generation-config", "--generation-config=vllm"])
+def test_the_schema_refuses_an_extension_the_profile_or_the_source_depends_on(flag: str) -> None:
+    values = _values()
+    values["engineExtraArgs"]["allowed"] = [flag]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(_schema()).validate(values)
+
+
+def test_the_schemas_never_allowed_flags_are_the_engines() -> None:
+    from flashmodel_engine.profiles import NEVER_ALLOWED
+
+    items = _schema()["properties"]["engineExtraArgs"]["properties"]["allowed"]["items"]
+    assert items["not"]["enum"] == sorted(set(NEVER_ALLOWED))

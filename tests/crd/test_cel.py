@@ -231,6 +231,48 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "fix spec.observability.otlpTracesEndpoint",
     ),
     (
+        "trust-remote-code-on-a-branch",
+        {"model": {"hub": {"id": "org/custom-arch"}, "trustRemoteCode": True}},
+        "spec.model.hub.revision",
+        "trustRemoteCode needs spec.model.hub.revision pinned to a full 40-hex commit id",
+    ),
+    (
+        "trust-remote-code-on-a-short-commit",
+        {"model": {"hub": {"id": "org/custom-arch", "revision": "9213176"}, "trustRemoteCode": True}},
+        "spec.model.hub.revision",
+        "set revision to the commit you reviewed",
+    ),
+    (
+        "trust-remote-code-from-an-image-tag",
+        {"model": {"image": {"reference": "registry.example/m:1"}, "trustRemoteCode": True}},
+        "spec.model.image.reference",
+        "trustRemoteCode needs spec.model.image.reference pinned to a digest",
+    ),
+    (
+        "pvc-path-up",
+        {"model": {"pvc": {"claimName": "models", "path": "../../etc"}}},
+        "spec.model.pvc.path",
+        "pvc.path must not have a '..' segment: the model must stay inside its source",
+    ),
+    (
+        "pvc-path-up-inside",
+        {"model": {"pvc": {"claimName": "models", "path": "qwen/../../x"}}},
+        "spec.model.pvc.path",
+        "pvc.path must not have a '..' segment",
+    ),
+    (
+        "image-path-up",
+        {"model": {"image": {"reference": "registry.example/m:1", "path": "/weights/.."}}},
+        "spec.model.image.path",
+        "image.path must not have a '..' segment",
+    ),
+    (
+        "hub-id-up",
+        {"model": {"hub": {"id": "/opt/models/../../etc"}}},
+        "spec.model.hub.id",
+        "hub.id must not have a '..' segment",
+    ),
+    (
         "two-model-sources",
         {"model": {"hub": {"id": "a/b"}, "pvc": {"claimName": "models"}}},
         "spec.model",
@@ -293,6 +335,17 @@ ENFORCED_ARGS: list[tuple[list[str], str, str]] = [
     (["--code_revision=dev"], "--code-revision", "set spec.model.hub.revision instead"),
     (["--otlp-traces-endpoint", "http://otel:4317"], "--otlp-traces-endpoint",
      "set spec.observability.otlpTracesEndpoint instead"),
+    (["--load-format", "dummy"], "--load-format", "the engine loads the weights spec.model names"),
+    (["--load_f=dummy"], "--load-format", "the engine loads the weights spec.model names"),
+    (["--trust-remote-code"], "--trust-remote-code", "set spec.model.trustRemoteCode instead"),
+    (["--trust-remote"], "--trust-remote-code", "set spec.model.trustRemoteCode instead"),
+    (["--tokenizer", "org/other"], "--tokenizer", "the tokenizer comes from the model's own source"),
+    (["--tokenizer-revision=dev"], "--tokenizer-revision", "the tokenizer comes from the model's own source"),
+    (["--download-dir", "/cache"], "--download-dir", "the hub cache is spec.model.hub.cache"),
+    (["--hf-token", "hf_x"], "--hf-token", "set spec.model.hub.tokenSecretRef instead"),
+    (["--allowed-local-media-path=/"], "--allowed-local-media-path", "may not read files of the engine pod"),
+    (["--middleware", "evil.App"], "a flag that loads Python code into the engine", "remove it"),
+    (["--worker-cls=a.B"], "a flag that loads Python code into the engine", "remove it"),
     (["-O3"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
     (["-tp", "2"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
     (["-q", "awq"], "extraArgs must use vLLM's long flags", "write the flag as --name"),
@@ -351,6 +404,26 @@ def test_harmless_extra_args_and_chunked_prefill_are_accepted(control_plane: Con
 @pytest.mark.parametrize(
     ("name", "spec"),
     [
+        ("hub-pinned", {"model": {"hub": {"id": "org/custom-arch", "revision": "9213176726" * 4},
+                                  "trustRemoteCode": True}}),
+        ("image-digest", {"model": {"image": {"reference": "registry.example/m@sha256:" + "ab" * 32},
+                                    "trustRemoteCode": True}}),
+        ("pvc", {"model": {"pvc": {"claimName": "models", "path": "org/model..v2/.hidden"}, "trustRemoteCode": True}}),
+        ("not-trusted-on-a-branch", {"model": {"hub": {"id": "org/m", "revision": "main"}, "trustRemoteCode": False}}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_trusted_remote_code_that_is_pinned_and_paths_inside_their_source_are_accepted(
+    control_plane: ControlPlane, namespace: str, name: str, spec: dict[str, Any]
+) -> None:
+    proc = control_plane.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+                                 input=fm(name, spec), check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "spec"),
+    [
         ("t4-awq", {"model": {**MODEL, "quantization": "awq"}}),
         ("t4-gptq-float16", {"model": {**MODEL, "quantization": "gptq"}, "engine": {"dtype": "float16"}}),
         ("t4-fp8", {"model": {**MODEL, "quantization": "fp8"}}),
@@ -375,7 +448,8 @@ def test_minimal_spec_gets_every_default(control_plane: ControlPlane, namespace:
     rc, stderr = create(control_plane, namespace, "minimal", {"model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}})
     assert rc == 0, stderr
     assert get(control_plane, namespace, "minimal")["spec"] == {
-        "model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}, "quantization": "auto"},
+        "model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}, "quantization": "auto",
+                  "trustRemoteCode": False},
         "accelerator": "t4",
         "replicas": 1,
         "standbyReplicas": 0,
@@ -430,7 +504,8 @@ def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namesp
     rc, stderr = create(control_plane, namespace, "partial", spec)
     assert rc == 0, stderr
     got = get(control_plane, namespace, "partial")["spec"]
-    assert got["model"] == {"pvc": {"claimName": "models", "path": ""}, "servedName": "qwen", "quantization": "auto"}
+    assert got["model"] == {"pvc": {"claimName": "models", "path": ""}, "servedName": "qwen", "quantization": "auto",
+                            "trustRemoteCode": False}
     assert got["autoscaling"] == {
         "scaler": "keda",
         "minReplicas": 1,

@@ -133,8 +133,9 @@ _MIRRORED = {
     "remediation": "RemediationSettings",
     "observability": "ObservabilitySettings",
 }
-# Only in the engine config: the cpu profile's KV-cache size, which no FlashModel field sets.
-_ENGINE_ONLY = {"engine": {"cpuKVCacheSpaceGiB"}}
+# Only in the engine config: the cpu profile's KV-cache size, which no FlashModel field sets, and the
+# cluster admin's extraArgs allow-list entries the model uses, which the operator's configuration sets.
+_ENGINE_ONLY = {"engine": {"cpuKVCacheSpaceGiB", "extraArgsAllowed"}}
 
 
 def _aliases(model: type[BaseModel]) -> dict[str, FieldInfo]:

@@ -11,7 +11,14 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from flashmodel_engine.profiles import ALIASES, CONFIG_FLAG, ENFORCED_FLAGS, MEMORY_PLAN_FLAGS
+from flashmodel_engine.profiles import (
+    ALIASES,
+    CODE_FLAGS,
+    CONFIG_FLAG,
+    ENFORCED_FLAGS,
+    MEMORY_PLAN_FLAGS,
+    SOURCE_FLAGS,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "flashmodel.yaml"
@@ -106,7 +113,8 @@ def _extra_args_rules() -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "flag", [*sorted(ENFORCED_FLAGS), *sorted(MEMORY_PLAN_FLAGS), *sorted(ALIASES), CONFIG_FLAG]
+    "flag", [*sorted(ENFORCED_FLAGS), *sorted(MEMORY_PLAN_FLAGS), *sorted(ALIASES), CONFIG_FLAG, *sorted(SOURCE_FLAGS),
+             *sorted(CODE_FLAGS)]
 )
 def test_every_enforced_engine_flag_has_a_cel_rule(flag: str) -> None:
     # The engine refuses these at launch; the API server must refuse them first (and every prefix of
@@ -114,7 +122,8 @@ def test_every_enforced_engine_flag_has_a_cel_rule(flag: str) -> None:
     rules = [r for r in _extra_args_rules() if f"'{flag}'" in r["rule"] and ".startsWith(a.split('=')" in r["rule"]]
     assert len(rules) == 1, f"no CEL rule for {flag}"
     message = " ".join(rules[0]["message"].split())
-    assert message.startswith("extraArgs must not set") and (flag in message or flag in MEMORY_PLAN_FLAGS)
+    assert message.startswith("extraArgs must not set") and (flag in message or flag in MEMORY_PLAN_FLAGS
+                                                             or flag in CODE_FLAGS)
 
 
 def _closed(node: dict[str, Any]) -> dict[str, Any]:

@@ -79,8 +79,8 @@ def test_abbreviations_stray_values_and_config_files_are_refused(args: list[str]
 
 
 def test_flags_that_only_look_like_guarded_ones_pass() -> None:
-    args = ["--enable-prefix-caching", "--model-impl", "vllm", "--seed", "-1", "--max-log-len", "100",
-            "--enable-chunked-prefill", "--generation-config=vllm", "--middleware", "a.b", "--no-enable-log-requests"]
+    args = ["--enable-prefix-caching", "--seed", "-1", "--max-log-len", "100", "--enable-chunked-prefill",
+            "--override-generation-config.temperature", "0.5", "--tool-call-parser=hermes", "--no-enable-log-requests"]
     assert check_extra_args(args) == []
     for table in TABLES.values():
         assert check_extra_args(args, table, strict=True) == []
@@ -105,15 +105,18 @@ def test_a_flag_no_supported_vllm_has_is_refused_before_a_pod_starts() -> None:
 ])
 def test_a_flag_only_some_supported_vllms_have_is_refused_naming_them(flag: str, having: str, lacking: str) -> None:
     # The operator cannot see the image's vLLM before a pod starts; one without the flag crash-loops.
-    problems = check_extra_args([flag])
+    # None is on the allow-list: the cluster admin's extension allows it.
+    allowed = [flag.split("=")[0]]
+    problems = check_extra_args([flag], extension=allowed)
     assert len(problems) == 1, problems
     assert f"only vLLM {having} has this flag, {lacking} does not" in problems[0], problems
     assert ">=0.26.0,<0.33.0" in problems[0]
     with pytest.raises(ProfileError, match="only vLLM"):
-        vllm_args(make(extraArgs=[flag]))
+        vllm_args(make(extraArgs=[flag], extraArgsAllowed=allowed))
     # A pod whose vLLM has it takes it; one whose vLLM lacks it refuses it at its preflight.
-    assert check_extra_args([flag], TABLES[having], strict=True) == []
-    assert "vLLM has no flag" in check_extra_args([flag], TABLES[lacking], strict=True)[0]
+    assert check_extra_args([flag], TABLES[having], strict=True, extension=allowed) == []
+    assert any("vLLM has no flag" in p for p in check_extra_args([flag], TABLES[lacking], strict=True,
+                                                                 extension=allowed))
 
 
 def test_every_supported_version_with_a_stored_table_is_in_the_supported_range() -> None:
