@@ -170,7 +170,7 @@ def test_keda_scales_a_scale_subresource_from_prometheus_and_reports_when_promet
 ) -> None:
     cp, ns = control_plane, k8s_namespace
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(WIDGET_CRD))
-    cp.kubectl("wait", "--for=condition=Established", "crd/widgets.example.com", "--timeout=30s")
+    cp.wait_established("widgets.example.com")
     cp.kubectl(
         "apply", "-n", ns, "-f", "-",
         input=yaml.safe_dump({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w1"},

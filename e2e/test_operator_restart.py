@@ -59,7 +59,7 @@ def test_an_operator_killed_midway_converges_after_restart_with_no_duplicate_or_
     an operator killed midway, and a second one that must converge all fifty."""
     with ControlPlane(testbin) as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io", "--timeout=60s")
+        cp.wait_established("flashmodels.serving.flashmodel.io")
         ns = cp.create_namespace("restart")
         spec = {"model": {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}}
         models = yaml.safe_dump_all(

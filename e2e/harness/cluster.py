@@ -635,6 +635,20 @@ class ControlPlane:
         """Runs kubectl against this control plane; raises CommandError (with stderr) if check fails."""
         return self._run(["kubectl", *args], check=check, input=input, timeout=timeout)
 
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Waits until the CRD named `crd` serves its kind.
+
+        Not `kubectl wait --for=condition=Established`: for a CRD whose status the API server has not
+        written yet it fails at once ("status.conditions accessor error"), which a large CRD on a busy
+        machine hits.
+        """
+        deadline = time.monotonic() + timeout
+        query = "jsonpath={.status.conditions[?(@.type==\"Established\")].status}"
+        while self.kubectl("get", "crd", crd, "-o", query, check=False).stdout.strip() != "True":
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"CRD {crd} not Established within {timeout:.0f} s")
+            time.sleep(0.2)
+
     def helm(
         self, *args: str, check: bool = True, input: str | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess[str]:

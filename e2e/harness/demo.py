@@ -577,8 +577,7 @@ def run(objects_only: bool, keep: bool, engine_python: str) -> int:
                 cp.add_t4_nodes(NODES, kwok_taint=False)
             with step("Installing the FlashModel CRD"):
                 cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-                cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io",
-                           "--timeout=60s")
+                cp.wait_established("flashmodels.serving.flashmodel.io")
             log = work / "operator.log"
             with step("Starting the operator"):
                 stack.enter_context(running_operator(cp.kubeconfig, log, extra_env=OPERATOR_ENV))

@@ -42,7 +42,7 @@ def helm_install(cp: ControlPlane, *values: str) -> None:
     for value in values:
         args += ["--set", value]
     cp.helm(*args)
-    cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io", "--timeout=60s")
+    cp.wait_established("flashmodels.serving.flashmodel.io")
 
 
 def service_account_kubeconfig(cp: ControlPlane, path: Path, account: str) -> Path:

@@ -83,7 +83,7 @@ def test_upgrade_from_the_crds_folder_chart_upgrades_the_crd_and_uninstall_keeps
 ) -> None:
     cp = own_control_plane
     cp.helm("install", RELEASE, str(previous_chart), "-n", NAMESPACE, "--create-namespace", "--wait=false")
-    cp.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+    cp.wait_established(CRD)
     assert "scaler" not in crd_properties(cp)["autoscaling"]["properties"]
     create(cp, flashmodel("survivor"))
     survivor = uid(cp, "survivor")
@@ -111,7 +111,7 @@ def test_upgrade_from_the_crds_folder_chart_upgrades_the_crd_and_uninstall_keeps
         assert proc.returncode != 0 and "missing properties" in proc.stderr and "'crds'" in proc.stderr, proc.stderr
         cp.helm(*upgrade, "--take-ownership", "--reset-then-reuse-values")
 
-    cp.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+    cp.wait_established(CRD)
     assert crd_properties(cp)["autoscaling"]["properties"]["scaler"]["enum"] == ["keda", "hpa"]
     create(cp, flashmodel("autoscaled", **AUTOSCALED))
     scaler = cp.kubectl(
@@ -136,7 +136,7 @@ def test_fresh_install_then_uninstall_keeps_the_crd_and_a_reinstall_adopts_it(
 ) -> None:
     cp = own_control_plane
     cp.helm("install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace", "--wait=false")
-    cp.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+    cp.wait_established(CRD)
     create(cp, flashmodel("kept", **AUTOSCALED))
     kept = uid(cp, "kept")
     cp.helm("uninstall", RELEASE, "-n", NAMESPACE)

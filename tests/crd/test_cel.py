@@ -19,7 +19,7 @@ MODEL = {"hub": {"id": "Qwen/Qwen2.5-0.5B-Instruct"}}
 @pytest.fixture(scope="module")
 def crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+    control_plane.wait_established("flashmodels.serving.flashmodel.io")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ SPEC: dict[str, Any] = {"model": {"pvc": {"claimName": "models", "path": "qwen"}
 @pytest.fixture(scope="module")
 def crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+    control_plane.wait_established("flashmodels.serving.flashmodel.io")
 
 
 @pytest.fixture

@@ -189,7 +189,7 @@ async def test_models_created_and_deleted_on_a_real_api_server_leave_every_per_m
     """The same churn against the real API server, whose garbage collector deletes the children."""
     ns, cp = k8s_namespace, control_plane
     cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    cp.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+    cp.wait_established("flashmodels.serving.flashmodel.io")
     api = cp.api_client()
     models = WatchedModels()
     monkeypatch.setattr(handlers, "_cluster", Cluster(api, models=models))

@@ -100,7 +100,7 @@ def test_the_policy_is_a_child_while_on_and_goes_when_turned_off(
     control_plane: ControlPlane, k8s_namespace: str, policy_on: EngineNetworkPolicy
 ) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+    control_plane.wait_established("flashmodels.serving.flashmodel.io")
     api = control_plane.api_client()
     try:
         cluster = Cluster(api)

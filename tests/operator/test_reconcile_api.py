@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.kubectl("wait", "--for=condition=Established", "crd/flashmodels.serving.flashmodel.io")
+    control_plane.wait_established("flashmodels.serving.flashmodel.io")
 
 
 @pytest.fixture

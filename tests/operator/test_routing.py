@@ -128,12 +128,7 @@ def _apply(cp: ControlPlane, ns: str, name: str, spec: dict[str, Any]) -> dict[s
 
 def _establish(cp: ControlPlane, path: Path, name: str) -> None:
     cp.kubectl("apply", "--server-side", "-f", str(path))
-    deadline = time.monotonic() + 60
-    while "Established" not in cp.kubectl(
-        "get", "crd", name, "-o", "jsonpath={.status.conditions[?(@.status==\"True\")].type}"
-    ).stdout:
-        assert time.monotonic() < deadline, f"{name} not Established within 60 s"
-        time.sleep(0.2)
+    cp.wait_established(name)
 
 
 def _condition(fm: dict[str, Any], kind: str) -> dict[str, Any] | None:
