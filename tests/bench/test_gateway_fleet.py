@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -73,7 +74,7 @@ def test_each_turn_extends_the_previous_prompt() -> None:
     work = fleet.conversations(words, 3, 4, 100, 20, 30, 0.5, seed=2)
     for session in work.turns:
         assert len(session) == 4
-        for earlier, later in zip(session, session[1:], strict=False):
+        for earlier, later in itertools.pairwise(session):
             assert later.text.startswith(earlier.text)  # the prefix cache can reuse the whole earlier prompt
             assert later.tokens > earlier.tokens
     assert work.describe()["sessions"] == 3
