@@ -57,5 +57,5 @@ if [ ! -f "$dest/sa.key" ]; then
   openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$dest/sa.key" 2>/dev/null
   openssl pkey -in "$dest/sa.key" -pubout -out "$dest/sa.pub"
 fi
-"$dest/envoy" --version | tail -1
+"$dest/envoy" --version | grep version
 ls -la "$dest"

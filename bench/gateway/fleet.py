@@ -1140,11 +1140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--envoy-concurrency", type=int, default=4, help="Envoy worker threads")
     p.add_argument("--epp-config", choices=["explicit", "default"], default="explicit")
     p.add_argument("--workloads", default="a,b,c")
-    p.add_argument("--rate-a", type=float, default=16.0, help="first rate per engine, workload (a), req/s")
+    p.add_argument("--rate-a", type=float, default=12.0, help="first rate per engine, workload (a), req/s")
     p.add_argument("--rate-b", type=float, default=8.0, help="first rate per engine, workload (b), req/s")
     p.add_argument("--rate-c", type=float, default=8.0, help="first rate per engine, workload (c), req/s")
     p.add_argument("--steps", type=int, default=3, help="rates per workload (each run in both modes)")
-    p.add_argument("--step-s", type=float, default=20.0, help="seconds of arrivals per mode per rate")
+    p.add_argument("--step-s", type=float, default=15.0, help="seconds of arrivals per mode per rate")
     p.add_argument("--system-tokens", type=int, default=1500, help="(b) the shared system prompt")
     p.add_argument("--question-tokens", type=int, default=40, help="(b), (c) mean question length")
     p.add_argument("--opening-tokens", type=int, default=300, help="(c) first turn's context")
@@ -1177,7 +1177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None,
         },
         "versions": {
-            "envoy": slo_gpu.sh([str(parts.envoy), "--version"], 30).splitlines()[-1:],
+            "envoy": [
+                ln.strip() for ln in slo_gpu.sh([str(parts.envoy), "--version"], 30).splitlines() if "version" in ln
+            ][:1],
             "vllm": slo_gpu.versions(a.engine_python).get("vllm"),
         },
         "epp_config": EPP_CONFIG if a.epp_config == "explicit" else "(the EPP's built-in default)",
