@@ -639,7 +639,13 @@ def start_engines(a: argparse.Namespace, work: Path) -> list[Engine]:
     flags = engine_flags(a.profile, Path(a.model), a.engines, a.gpu_share, a.max_model_len)
     env = os.environ | {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if a.profile == "cpu":
-        env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(a.cpu_threads)}
+        env |= {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": str(a.cpu_threads),
+            # As e2e/harness/kubelet.py runs them: several engines share the cores, none pins them.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        }
     engines = []
     for i, host in enumerate(hosts):
         argv = shlex.split(
