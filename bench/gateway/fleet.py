@@ -715,7 +715,7 @@ class Sessions:
     def describe(self) -> dict[str, Any]:
         lengths = [p.tokens for s in self.turns for p in s]
         return {
-            "sessions": len(self.turns),
+            "session_pool": len(self.turns),
             "turns_per_session": len(self.turns[0]) if self.turns else 0,
             "mean_prompt_tokens": round(sum(lengths) / len(lengths), 1) if lengths else None,
             "max_prompt_tokens": max(lengths, default=None),
@@ -895,6 +895,9 @@ async def run_step(
             cpu = s1.cpu_s - s0.cpu_s
             cost[k] = {
                 "cpu_s": round(cpu, 2),
+                # Cores busy on average: the EPP scrapes every engine every 50 ms whatever the load,
+                # so at low rates its per-request figure is mostly that (see "idle" in the results).
+                "cpu_cores": round(cpu / wall, 3) if wall > 0 else None,
                 "cpu_s_per_1k_requests": round(1000 * cpu / len(res), 2) if res else None,
                 "peak_rss_mib": round(s1.hwm_kib / 1024, 1),
             }
@@ -942,6 +945,21 @@ def goodput(steps: Sequence[dict[str, Any]], mode: Mode) -> float | None:
         if s["mode"] == mode:
             by_rate.setdefault(s["rate_rps"], []).append(s["passed"])
     return loadgen.goodput_at_rates(by_rate)
+
+
+async def idle_cost(fleet: Fleet, seconds: float) -> dict[str, Any]:
+    """CPU cores the EPP and Envoy use with no traffic: the EPP's scraping (every engine, every 50 ms)
+    and Envoy's health checks of the EPP, the floor under every per-request figure."""
+    procs = {"epp": fleet.epp.pid, "envoy": fleet.envoy.pid}
+    before = {k: proc_sample(p) for k, p in procs.items()}
+    await asyncio.sleep(seconds)
+    out: dict[str, Any] = {"seconds": seconds}
+    for k, p in procs.items():
+        s0, s1 = before[k], proc_sample(p)
+        if s0 and s1:
+            out[k] = {"cpu_cores": round((s1.cpu_s - s0.cpu_s) / seconds, 4), "rss_mib": round(s1.rss_kib / 1024, 1)}
+    log("idle_cost", **{k: v["cpu_cores"] for k, v in out.items() if isinstance(v, dict)})
+    return out
 
 
 async def single_request_cost(
@@ -995,6 +1013,14 @@ def markdown(results: dict[str, Any]) -> str:
         "rate of the shared ladder that passed, every lower rate tried passing too.",
         "",
     ]
+    idle = results.get("idle")
+    if idle:
+        lines += [
+            f"Idle (no traffic, {idle.get('seconds')} s): EPP {_f(idle.get('epp', {}).get('cpu_cores'), 3)} cores, "
+            f"{_f(idle.get('epp', {}).get('rss_mib'))} MiB RSS; Envoy {_f(idle.get('envoy', {}).get('cpu_cores'), 3)} "
+            f"cores, {_f(idle.get('envoy', {}).get('rss_mib'))} MiB RSS.",
+            "",
+        ]
     cost = results.get("single_request")
     if cost:
         lines += ["## The gateway's own cost at one request at a time (TTFT p50, ms)", ""]
@@ -1012,7 +1038,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             "",
             "| mode | rate | pass | ok/err | req/s | good req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-            "| requests per engine | prefix hit % per engine | EPP cpu s/1k | Envoy cpu s/1k | EPP peak MiB "
+            "| requests per engine | prefix hit % per engine | EPP cpu s/1k (cores) | Envoy cpu s/1k (cores) "
+            "| EPP peak MiB "
             "| Envoy peak MiB | EPP decision ms |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
         ]
@@ -1026,7 +1053,9 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {' / '.join(str(e['requests']) for e in s['per_engine'])} "
                 f"| {' / '.join(_f(e['prefix_hit_pct']) for e in s['per_engine'])} "
                 f"| {_f(gc.get('epp', {}).get('cpu_s_per_1k_requests'), 2)} "
+                f"({_f(gc.get('epp', {}).get('cpu_cores'), 2)}) "
                 f"| {_f(gc.get('envoy', {}).get('cpu_s_per_1k_requests'), 2)} "
+                f"({_f(gc.get('envoy', {}).get('cpu_cores'), 2)}) "
                 f"| {_f(gc.get('epp', {}).get('peak_rss_mib'))} | {_f(gc.get('envoy', {}).get('peak_rss_mib'))} "
                 f"| {_f(s.get('epp_decision_mean_ms'), 3)} |"
             )
@@ -1088,6 +1117,7 @@ async def measure(a: argparse.Namespace, fleet: Fleet, results: dict[str, Any], 
             bad = [r.error for r in res if not r.ok]
             if bad:
                 raise RuntimeError(f"warm-up through {mode} failed {len(bad)}/{len(res)}: {bad[0]}")
+        results["idle"] = await idle_cost(fleet, a.idle_s)
         results["single_request"] = await single_request_cost(http, fleet, field, a.cost_rounds, a.cost_requests)
         save(results, out)
         starts = {"a-short": a.rate_a, "b-shared-system": a.rate_b, "c-multi-turn": a.rate_c}
@@ -1157,6 +1187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--answer-tokens", type=int, default=48, help="(c) each earlier answer in the history")
     p.add_argument("--turns", type=int, default=6, help="(c) turns per session")
     p.add_argument("--think-s", type=float, default=0.5, help="(c) pause after an answer")
+    p.add_argument("--idle-s", type=float, default=10.0, help="seconds of no traffic for the EPP's and Envoy's floor")
     p.add_argument("--cost-rounds", type=int, default=3)
     p.add_argument("--cost-requests", type=int, default=10, help="per path per round")
     p.add_argument("--budget-s", type=float, default=900.0, help="stop starting steps past this (from start)")

@@ -77,7 +77,7 @@ def test_each_turn_extends_the_previous_prompt() -> None:
         for earlier, later in itertools.pairwise(session):
             assert later.text.startswith(earlier.text)  # the prefix cache can reuse the whole earlier prompt
             assert later.tokens > earlier.tokens
-    assert work.describe()["sessions"] == 3
+    assert work.describe()["session_pool"] == 3
 
 
 def test_shared_system_prompt_is_the_same_for_every_request() -> None:
