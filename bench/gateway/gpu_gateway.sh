@@ -7,6 +7,7 @@
 #   bash bench/gateway/gpu_gateway.sh stage               # copy the gw parts this call carried; PARTIAL (exit 3) until all are in
 #   bash bench/gateway/gpu_gateway.sh start RUN [fleet.py args...]   # stage the rest, unpack, check, launch, follow
 #   bash bench/gateway/gpu_gateway.sh follow RUN          # wait up to FOLLOW_S (default 560 s), copy back every minute
+#   bash bench/gateway/gpu_gateway.sh check               # stage and check the binaries only (a dry run)
 #
 # What comes back, under $OUT/RUN: driver.log, fleet_table.md, fleet_results.json.gz, logs.tar.gz
 # (engine, EPP, Envoy and API server logs).
@@ -14,11 +15,14 @@ set -uo pipefail
 cmd=${1:?stage, start or follow}
 run=${2:-gw}
 [ $# -ge 2 ] && shift 2 || shift 1
-dir=/tmp/gw-bg/$run
-parts=/tmp/gw-parts   # every .gwp/gw.part* any call carried (a carried file is gone at the next call)
-gw=/tmp/gw            # the unpacked binaries: kube-apiserver etcd epp envoy inferencepool.yaml sa.key sa.pub
-models=/tmp/slo-models
-export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
+# The *_DIR overrides exist for a dry run of the staging on another machine; the GPU run uses the defaults.
+dir=${RUN_DIR:-/tmp/gw-bg}/$run
+site=${SITE_DIR:-/tmp/site}         # vLLM, staged by .gpu/stage.sh
+parts=${GW_PARTS_DIR:-/tmp/gw-parts}  # every .gwp/gw.part* any call carried (a carried file is gone at the next call)
+gw=${GW_DIR:-/tmp/gw}               # unpacked: kube-apiserver etcd epp envoy inferencepool.yaml sa.key sa.pub
+models=${MODELS_DIR:-/tmp/slo-models}
+zs=${ZS_DIR:-/tmp/zs}               # the zstandard module (.gpu/stage.sh installs it there)
+export PYTHONPATH=$site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried
 
 copy_back() {
@@ -54,13 +58,13 @@ stage() {
   have=$(ls "$parts"/gw.part* 2>/dev/null | wc -l)
   if [ "$have" -lt "$want" ]; then echo "GW PARTIAL: $have of $want parts: $(ls "$parts" | tr '\n' ' ')"; return 3; fi
   (cd "$parts" && sha256sum -c --quiet gw.sha256) || { echo "GW BROKEN: a part does not match gw.sha256"; return 4; }
-  if ! PYTHONPATH=/tmp/zs python3 -c "import zstandard" 2>/dev/null; then
+  if ! PYTHONPATH=$zs python3 -c "import zstandard" 2>/dev/null; then
     # .gpu/stage.sh installs it with vLLM's last part; carried again here only if that never ran.
-    ls .gpu/zstandard-*.whl >/dev/null 2>&1 || { echo "GW BROKEN: no zstandard in /tmp/zs: stage vLLM first (.gpu/stage.sh)"; return 4; }
-    python3 -m pip install -q --no-deps --target /tmp/zs .gpu/zstandard-*.whl
+    ls .gpu/zstandard-*.whl >/dev/null 2>&1 || { echo "GW BROKEN: no zstandard in $zs: stage vLLM first (.gpu/stage.sh)"; return 4; }
+    python3 -m pip install -q --no-deps --target "$zs" .gpu/zstandard-*.whl
   fi
   mkdir -p "$gw"
-  cat "$parts"/gw.part* | PYTHONPATH=/tmp/zs python3 -c \
+  cat "$parts"/gw.part* | PYTHONPATH=$zs python3 -c \
     "import sys,zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" \
     | tar -C "$gw" -xf - || { echo "GW BROKEN: unpacking failed"; return 4; }
   touch "$gw/.done"
@@ -92,12 +96,12 @@ build_model() {
 
 case $cmd in
 stage)
-  [ -f /tmp/site/.done ] || { echo "vLLM not staged: run the .gpu/stage.sh calls first"; exit 3; }
+  [ -f "$site/.done" ] || { echo "vLLM not staged: run the .gpu/stage.sh calls first"; exit 3; }
   build_model
   stage
   ;;
 start)
-  [ -f /tmp/site/.done ] || { echo "vLLM not staged: run the .gpu/stage.sh calls first"; exit 3; }
+  [ -f "$site/.done" ] || { echo "vLLM not staged: run the .gpu/stage.sh calls first"; exit 3; }
   build_model
   stage || exit $?
   check_binaries || exit 5
@@ -115,13 +119,19 @@ start)
   mkdir -p "$dir/out"
   # BUDGET_S: the run's own limit on starting new steps (engine starts included); the default fits
   # ~15 minutes of device time with the staging calls.
-  setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 bench/gateway/fleet.py --out "$0/out" --parts /tmp/gw \
-      --model /tmp/slo-models/1.5b --budget-s "${BUDGET_S:-780}" "$@"' "$dir" "$@" \
+  export GW_DIR=$gw MODEL_DIR=$models/1.5b
+  setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 bench/gateway/fleet.py --out "$0/out" --parts "$GW_DIR" \
+      --model "$MODEL_DIR" --budget-s "${BUDGET_S:-780}" "$@"' "$dir" "$@" \
     >"$dir/driver.log" 2>&1 </dev/null &
   sleep 1
   echo "started $run pid $(cat "$dir/pid") at ${SECONDS}s"
   follow
   ;;
+check)  # stage and check the binaries, launch nothing (a dry run of the staging)
+  stage || exit $?
+  check_binaries || exit 5
+  echo "GW CHECKED"
+  ;;
 follow) follow ;;
-*) echo "stage, start or follow" >&2; exit 2 ;;
+*) echo "stage, start, check or follow" >&2; exit 2 ;;
 esac
