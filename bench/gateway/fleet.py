@@ -33,6 +33,7 @@ import os
 import random
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import ssl
@@ -243,8 +244,10 @@ class Kube:
     scheduler and kwok and needs openssl, kubectl and PyYAML): the GPU machine has none of those
     for certain, and the EPP only reads Pods and InferencePools."""
 
-    def __init__(self, parts: Parts, work: Path) -> None:
-        self.work = work
+    def __init__(self, parts: Parts, state: Path, logs: Path) -> None:
+        # state (etcd's data, certs, token, kubeconfig) apart from logs: only logs come back from the GPU.
+        work = state
+        work.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
         self.etcd_port, self.peer_port, self.port = free_port(), free_port(), free_port()
         self.server = f"https://127.0.0.1:{self.port}"
@@ -284,7 +287,7 @@ class Kube:
                 "--unsafe-no-fsync=true",  # disposable data
                 "--log-level=warn",
             ],
-            work / "etcd.log",
+            logs / "etcd.log",
         )
         self.apiserver = Proc(
             "kube-apiserver",
@@ -305,7 +308,7 @@ class Kube:
                 # No controller manager creates the "default" ServiceAccount a Pod would need.
                 "--disable-admission-plugins=ServiceAccount",
             ],
-            work / "kube-apiserver.log",
+            logs / "kube-apiserver.log",
         )
         self.started_s = wait_for("kube-apiserver /readyz", self.ready, 120, [self.etcd, self.apiserver], 0.5)
         log("apiserver_ready", seconds=self.started_s, server=self.server)
@@ -1233,7 +1236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc = 0
     with stopped_on_exit(procs):
         try:
-            kube = Kube(parts, work)
+            kube = Kube(parts, out / "state", work)
             procs += [kube.etcd, kube.apiserver]
             if a.engines_running:
                 engines = [Engine(h, int(pt)) for h, _, pt in (x.rpartition(":") for x in a.engines_running.split(","))]
@@ -1291,6 +1294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["wall_s"] = round(time.monotonic() - t_start, 1)
             save(results, out)
             log("wrote", path=out / "fleet_results.json", table=out / "fleet_table.md")
+    # After every process stopped: etcd's data (a 64 MB WAL at least) is of no use once the run is over.
+    shutil.rmtree(out / "state", ignore_errors=True)
     return rc
 
 
