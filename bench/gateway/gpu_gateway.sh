@@ -86,18 +86,21 @@ check_binaries() {
 # The 1.5B-shaped random-weight model, built on the GPU in the background while the next call's
 # parts travel (bench/slo/mkmodel.py: the byte-level BPE the load generator's prompts need).
 build_model() {
-  [ -f "$models/1.5b/config.json" ] && return 0
+  [ -f "$models/1.5b.done" ] && return 0
   [ -f "$models/build.pid" ] && kill -0 "$(cat "$models/build.pid")" 2>/dev/null && return 0
   mkdir -p "$models"
-  setsid nohup sh -c 'echo $$ >"$0/build.pid"; exec python3 bench/slo/mkmodel.py "$0/1.5b" 1.5b' "$models" \
+  # The marker, not config.json: save_pretrained writes the config before the weights.
+  setsid nohup sh -c 'echo $$ >"$0/build.pid"; python3 bench/slo/mkmodel.py "$0/1.5b" 1.5b && touch "$0/1.5b.done"' \
+    "$models" \
     >"$models/build.log" 2>&1 </dev/null &
   echo "model build started in the background"
 }
 
 case $cmd in
 stage)
-  [ -f "$site/.done" ] || { echo "vLLM not staged: run the .gpu/stage.sh calls first"; exit 3; }
-  build_model
+  # Copies the gateway parts whether or not vLLM is in yet, so a small part can ride with a vLLM
+  # part's call; the model build needs vLLM's staged packages beside torch, so it waits for them.
+  if [ -f "$site/.done" ]; then build_model; else echo "vLLM not staged yet: the model build waits for it"; fi
   stage
   ;;
 start)
@@ -107,10 +110,10 @@ start)
   check_binaries || exit 5
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   t0=$SECONDS
-  while [ ! -f "$models/1.5b/config.json" ]; do
+  while [ ! -f "$models/1.5b.done" ]; do
     pid=$(cat "$models/build.pid" 2>/dev/null)
     if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then
-      sleep 1; [ -f "$models/1.5b/config.json" ] && break
+      sleep 1; [ -f "$models/1.5b.done" ] && break
       echo "model build failed:"; tail -5 "$models/build.log"; exit 4
     fi
     sleep 2
