@@ -640,9 +640,10 @@ class Engine:
         return f"http://{self.host}:{self.port}"
 
 
-def start_engines(a: argparse.Namespace, work: Path) -> list[Engine]:
+def start_engines(a: argparse.Namespace, work: Path, procs: list[Proc]) -> list[Engine]:
     """N engines on 127.0.0.2, .3, ... one after another (the first compiles; the rest reuse its cache,
-    and vLLM checks free memory at start, which a concurrent start would race)."""
+    and vLLM checks free memory at start, which a concurrent start would race). Each goes into `procs`
+    as soon as it is started, so a run stopped during the starts stops it too."""
     hosts = [f"127.0.0.{2 + i}" for i in range(a.engines)]
     port = a.engine_port or free_port(hosts)
     flags = engine_flags(a.profile, Path(a.model), a.engines, a.gpu_share, a.max_model_len)
@@ -662,6 +663,7 @@ def start_engines(a: argparse.Namespace, work: Path) -> list[Engine]:
         )
         e = Engine(host, port)
         e.proc = Proc(f"engine-{i}", argv, work / f"engine-{i}.log", env)
+        procs.append(e.proc)
         engines.append(e)
         e.startup_s = wait_for(
             f"engine-{i} {e.url}/health",
@@ -1131,28 +1133,34 @@ async def measure(a: argparse.Namespace, fleet: Fleet, results: dict[str, Any], 
         save(results, out)
         starts = {"a-short": a.rate_a, "b-shared-system": a.rate_b, "c-multi-turn": a.rate_c}
         only = set(a.workloads.split(","))
-        for wi, (wname, work) in enumerate(works.items()):
-            if wname.split("-")[0] not in only:
-                continue
-            entry: dict[str, Any] = {"describe": work.describe(), "steps": [], "rates_per_engine_start": starts[wname]}
-            results.setdefault("workloads", {})[wname] = entry
-            rate = round(starts[wname] * n, 2)
-            for step_i in range(a.steps):
-                # Both modes at this rate, the order swapped every step so neither always goes first.
-                need = 2 * (a.step_s + 15) + 20
+        chosen = {k: w for k, w in works.items() if k.split("-")[0] in only}
+        entries: dict[str, dict[str, Any]] = {}
+        rates: dict[str, float] = {}
+        for wname, work in chosen.items():
+            entries[wname] = {"describe": work.describe(), "steps": [], "rates_per_engine_start": starts[wname]}
+            rates[wname] = round(starts[wname] * n, 2)
+        results["workloads"] = entries
+        # Step i of every workload before step i+1 of any: if the budget ends early, each workload
+        # loses its last rung rather than the last workload losing everything.
+        for step_i in range(a.steps):
+            for wi, (wname, work) in enumerate(chosen.items()):
+                # Both modes run step_s of arrivals and drain (a few seconds at the rates that pass).
+                need = 2 * (a.step_s + 8) + 5
                 if time.monotonic() + need > deadline:
                     log("budget_stop", workload=wname, step=step_i, left_s=round(deadline - time.monotonic()))
-                    break
+                    continue
+                entry = entries[wname]
+                # Both modes at one rate, the order swapped every step so neither always goes first.
                 order = MODES if (wi + step_i) % 2 == 0 else MODES[::-1]
                 passed: dict[Mode, bool] = {}
                 for mode in order:
-                    s = await run_step(http, fleet, mode, work, rate, a.step_s, seed=step_i)
+                    s = await run_step(http, fleet, mode, work, rates[wname], a.step_s, seed=step_i)
                     entry["steps"].append(s)
                     passed[mode] = s["passed"]
                     save(results, out)
-                rate = next_rate(rate, passed)
-            entry["goodput_rps"] = {m: goodput(entry["steps"], m) for m in MODES}
-            save(results, out)
+                rates[wname] = next_rate(rates[wname], passed)
+                entry["goodput_rps"] = {m: goodput(entry["steps"], m) for m in MODES}
+                save(results, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1241,8 +1249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.engines_running:
                 engines = [Engine(h, int(pt)) for h, _, pt in (x.rpartition(":") for x in a.engines_running.split(","))]
             else:
-                engines = start_engines(a, work)
-                procs += [e.proc for e in engines if e.proc]
+                engines = start_engines(a, work, procs)
             results["engines"] = [{"url": e.url, "startup_s": e.startup_s} for e in engines]
             results["engine_argv"] = engines[0].proc.argv[1:] if engines[0].proc else None
             ports = GatewayPorts.allocate()

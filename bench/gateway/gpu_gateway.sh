@@ -124,7 +124,7 @@ start)
   # ~15 minutes of device time with the staging calls.
   export GW_DIR=$gw MODEL_DIR=$models/1.5b
   setsid nohup sh -c 'echo $$ >"$0/pid"; exec python3 bench/gateway/fleet.py --out "$0/out" --parts "$GW_DIR" \
-      --model "$MODEL_DIR" --budget-s "${BUDGET_S:-780}" "$@"' "$dir" "$@" \
+      --model "$MODEL_DIR" --budget-s "${BUDGET_S:-720}" "$@"' "$dir" "$@" \
     >"$dir/driver.log" 2>&1 </dev/null &
   sleep 1
   echo "started $run pid $(cat "$dir/pid") at ${SECONDS}s"
