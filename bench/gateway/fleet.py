@@ -40,6 +40,7 @@ import ssl
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 import uuid
@@ -341,7 +342,8 @@ class Kube:
         crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencepools.inference.networking.k8s.io"
 
         def established() -> bool:
-            conds = self.call("GET", crd).get("status", {}).get("conditions", [])
+            # Right after the create the status may hold `conditions: null`.
+            conds = (self.call("GET", crd).get("status") or {}).get("conditions") or []
             return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
         wait_for("the InferencePool CRD to be established", established, 60)
@@ -1295,7 +1297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             loadgen.run_async(measure(a, fleet, results, out, deadline))
         except (Exception, SystemExit) as e:
             results["error"] = f"{type(e).__name__}: {e}"
+            results["traceback"] = traceback.format_exc()
             log("failed", error=type(e).__name__, message=str(e).replace("\n", " | ")[:600])
+            print(results["traceback"], file=sys.stderr, flush=True)
             rc = 1
         finally:
             results["wall_s"] = round(time.monotonic() - t_start, 1)
