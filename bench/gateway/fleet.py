@@ -380,20 +380,28 @@ class Kube:
                 },
                 "application/merge-patch+json",
             )
-        self.call(
-            "POST",
-            f"/apis/inference.networking.k8s.io/v1/namespaces/{NAMESPACE}/inferencepools",
-            {
-                "apiVersion": "inference.networking.k8s.io/v1",
-                "kind": "InferencePool",
-                "metadata": {"name": POOL},
-                "spec": {
-                    "selector": {"matchLabels": POD_LABEL},
-                    "targetPorts": [{"number": engines[0][1]}],
-                    "endpointPickerRef": {"name": "epp", "port": {"number": epp_port}},
-                },
+        pool = {
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": POOL},
+            "spec": {
+                "selector": {"matchLabels": POD_LABEL},
+                "targetPorts": [{"number": engines[0][1]}],
+                "endpointPickerRef": {"name": "epp", "port": {"number": epp_port}},
             },
-        )
+        }
+
+        def created() -> bool:
+            # An Established CRD's endpoint can still answer 404 for a moment: try again then.
+            try:
+                self.call("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NAMESPACE}/inferencepools", pool)
+            except RuntimeError as e:
+                if " 404:" in str(e):
+                    return False
+                raise
+            return True
+
+        wait_for("the InferencePool to be created", created, 30, interval=0.5)
         log("pool_installed", pods=len(engines), pool=f"{NAMESPACE}/{POOL}", target_port=engines[0][1])
 
     def stop(self) -> None:
