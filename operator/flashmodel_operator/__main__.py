@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flashmodel_operator import engine_image, heap, settings
+from flashmodel_operator import engine_image, heap, pod_policy, settings
 
 
 def main() -> None:
@@ -19,6 +19,7 @@ def main() -> None:
     try:
         settings.load()  # once, before kopf imports the handlers, which take their timings from it
         engine_image.load()
+        pod_policy.load()
     except ValueError as exc:
         sys.exit(f"flashmodel-operator: {exc}")
     heap.tune_collector()
