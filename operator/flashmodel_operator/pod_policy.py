@@ -219,7 +219,7 @@ def _extra_mount_problem(mount: dict[str, Any], engine_paths: list[str], base_vo
     if mount.get("name") in base_volumes:
         return "the engine's own volumes are mounted where the operator mounts them, nowhere else"
     if mount.get("name") not in extra_volumes:
-        return "the pod has no such volume of the patch's"
+        return "the patch adds no volume of that name (or it was refused)"
     if set(mount) - _MOUNT_KEYS:
         return f"{', '.join(sorted(set(mount) - _MOUNT_KEYS))} is not allowed (subPathExpr expands at run time)"
     return _mount_options_problem(mount) or mount_path_problem(mount.get("mountPath"), engine_paths)
@@ -321,8 +321,9 @@ def quantity(value: object) -> Decimal | None:
     return number * Decimal(_SUFFIXES[match.group(2)]) if match.group(2) else number
 
 
-def resource_problems(resources: object, where: str, profile: PodProfile) -> list[str]:
-    """What of the engine's resources (spec.resources or the patched container's) is refused, by `where`."""
+def resource_problems(resources: object, where: str, profile: PodProfile | None) -> list[str]:
+    """What of a container's resources is refused, by `where`: the engine's (spec.resources or the patched
+    container's) under `profile`, or with `profile` None another container's, which gets no device."""
     if not isinstance(resources, dict):
         return []
     problems = []
@@ -333,9 +334,15 @@ def resource_problems(resources: object, where: str, profile: PodProfile) -> lis
         problems.append(f"{where}.{part} is not a field of ResourceRequirements the engine takes; remove it")
     for part in ("limits", "requests"):
         for name in sorted((resources.get(part) or {}) if isinstance(resources.get(part), dict) else {}):
-            if name not in PLAIN_RESOURCES and name not in profile.limits:
+            if profile is None and name not in PLAIN_RESOURCES:
+                problems.append(f"{where}.{part}[{name}] asks for {name}: a container beside the engine takes "
+                                "cpu, memory and ephemeral-storage only, and the pod's devices are the engine's; "
+                                "remove it")
+            elif profile is not None and name not in PLAIN_RESOURCES and name not in profile.limits:
                 problems.append(f"{where}.{part}[{name}] asks for {name}: the engine takes cpu, memory and "
                                 f"ephemeral-storage, and the {profile.name} profile sets its devices; remove it")
+    if profile is None:
+        return problems
     memory = (resources.get("limits") or {}).get("memory") if isinstance(resources.get("limits"), dict) else None
     floor = HOST_MEMORY_FLOOR_BYTES.get(profile.name)
     amount = quantity(memory) if memory is not None else None
@@ -377,8 +384,7 @@ _ENGINE_FIELDS = {
     "livenessProbe": "the health shim's probes are how the operator knows the engine state",
     "readinessProbe": "readiness is the shim's one-token generation",
     "lifecycle": "its preStop sleep keeps a stopping pod serving until it has left the Service's endpoints",
-    "envFrom": "it can bring any variable, those the engine and its libraries read among them; list each "
-    "variable in env instead",
+    "envFrom": "it can bring any variable, those the engine and its libraries read among them",
     "securityContext": "the engine runs as a non-root user under Pod Security restricted, whatever the patch says",
     "terminationMessagePolicy": "the launcher writes its preflight verdict there, which the operator reads",
     "terminationMessagePath": "the launcher writes its preflight verdict there, which the operator reads",
@@ -393,7 +399,8 @@ def _engine(base: dict[str, Any], patched: dict[str, Any], volumes: tuple[set[st
             profile: PodProfile) -> tuple[dict[str, Any], list[str]]:
     """The engine container: the rendered one plus the allowed env, mounts and resources of the patched one."""
     problems = [
-        refusal(f"changes the engine container's {field}", _ENGINE_FIELDS.get(field, _ENGINE_FIELD_WHY))
+        refusal(f"changes the engine container's {field}", _ENGINE_FIELDS.get(field, _ENGINE_FIELD_WHY),
+                "list each variable in env instead" if field == "envFrom" else REMOVE)
         for field in sorted((set(base) | set(patched)) - _OWN_ENGINE_PARTS)
         if patched.get(field) != base.get(field)
     ]
@@ -468,13 +475,10 @@ def _other_container(container: object, where: str, engine_volumes: set[str],
                          "its NVIDIA_ variables name, outside the profile's count")
                  for e in _list(container, "env") if isinstance(e, dict) and str(e.get("name", "")).upper()
                  .startswith("NVIDIA_")]
-    problems += resource_problems(container.get("resources"), f"{WHERE}: {subject}'s resources", _NO_DEVICES)
+    problems += resource_problems(container.get("resources"), f"{WHERE}: {subject}'s resources", None)
     if problems:
         return None, problems
     return _restricted_defaults(container), []
-
-
-_NO_DEVICES = PodProfile(name="sidecar")
 
 
 def _restricted_defaults(container: dict[str, Any]) -> dict[str, Any]:

@@ -67,7 +67,8 @@ ATTACKS: dict[str, tuple[dict[str, Any], str]] = {
     "vllm-plugins": (env("VLLM_PLUGINS", "evil"), "changes the engine container's env VLLM_PLUGINS"),
     "env-from-configmap": (engine(envFrom=[{"configMapRef": {"name": "anything"}}]),
                            "changes the engine container's envFrom: it can bring any variable"),
-    "sidecar-gpu": (sidecar(resources=GPU), "the container thief's resources.limits[nvidia.com/gpu] asks for"),
+    "sidecar-gpu": (sidecar(resources=GPU), "the container thief's resources.limits[nvidia.com/gpu] asks for "
+                    "nvidia.com/gpu: a container beside the engine takes cpu, memory and ephemeral-storage only"),
     "host-network": (patch({"hostNetwork": True}), "sets hostNetwork"),
     "privileged-engine": (engine(securityContext={"privileged": True}),
                           "changes the engine container's securityContext"),
