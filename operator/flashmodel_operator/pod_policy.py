@@ -449,8 +449,8 @@ _SECURITY_KEYS = frozenset({*_RESTRICTED, "runAsGroup", "readOnlyRootFilesystem"
 NO_GPU_ENV = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
 
 
-def _other_container(container: object, where: str, engine_volumes: set[str],
-                     profile: PodProfile) -> tuple[dict[str, Any] | None, list[str]]:
+def _other_container(container: object, where: str,
+                     engine_volumes: set[str]) -> tuple[dict[str, Any] | None, list[str]]:
     """A sidecar or init container: any image, but restricted, with no device and none of the engine's volumes."""
     if not isinstance(container, dict):
         return None, [refusal(f"has {where} {container!r}", "each container is an object", "fix it")]
@@ -511,7 +511,7 @@ def _containers(base: dict[str, Any], patched: dict[str, Any], extra_volumes: se
         for container in _list(patched, kind):
             if container is engine:
                 continue
-            kept, container_problems = _other_container(container, where, engine_volumes, profile)
+            kept, container_problems = _other_container(container, where, engine_volumes)
             problems += container_problems
             if kept is not None:
                 out.setdefault(kind, []).append(kept)

@@ -110,6 +110,15 @@ def test_what_a_patch_may_add_reaches_the_pod() -> None:
     assert proxy["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
+def test_a_user_namespace_and_kubernetes_defaults_are_no_change() -> None:
+    defaults = {"hostUsers": False, "hostNetwork": False, "schedulerName": "default-scheduler",
+                "dnsPolicy": "ClusterFirst", "serviceAccountName": "default", "restartPolicy": "Always"}
+    pod, problems = _render({"podTemplatePatch": {"spec": defaults}})
+    assert problems == []
+    assert pod["spec"]["hostUsers"] is False
+    assert not {"hostNetwork", "schedulerName", "dnsPolicy", "serviceAccountName", "restartPolicy"} & set(pod["spec"])
+
+
 def test_a_priority_class_only_from_the_cluster_admins_list() -> None:
     pod_policy.use(PodPolicy())
     _, problems = _render(CONTROLS["allowed-priority-class"])
