@@ -221,7 +221,8 @@ def _extra_mount_problem(mount: dict[str, Any], engine_paths: list[str], base_vo
     if mount.get("name") not in extra_volumes:
         return "the patch adds no volume of that name (or it was refused)"
     if set(mount) - _MOUNT_KEYS:
-        return f"{', '.join(sorted(set(mount) - _MOUNT_KEYS))} is not allowed (subPathExpr expands at run time)"
+        return (f"{', '.join(sorted(set(mount) - _MOUNT_KEYS))} is not a mount field a patch may set (subPathExpr "
+                "expands at run time, past what is checked here)")
     return _mount_options_problem(mount) or mount_path_problem(mount.get("mountPath"), engine_paths)
 
 
@@ -262,18 +263,20 @@ def _volumes(base: list[Any], patched: list[Any]) -> tuple[list[Any], set[str], 
 
 
 def _base_volume(volume: dict[str, Any], given: dict[str, Any] | None) -> tuple[dict[str, Any], str | None]:
-    """An operator's volume: unchanged, but a scratch emptyDir may be resized."""
+    """An operator's volume: unchanged, but a scratch emptyDir (dshm, cache, tmp) may be resized."""
     if given == volume:
         return volume, None
-    scratch = "emptyDir" in volume and given is not None and set(given) == {"name", "emptyDir"} and isinstance(
-        given["emptyDir"], dict) and set(given["emptyDir"]) - {"sizeLimit"} == set(volume["emptyDir"]) - {"sizeLimit"}
-    if scratch and given is not None and all(given["emptyDir"].get(k) == v for k, v in volume["emptyDir"].items()
-                                             if k != "sizeLimit"):
+    if "emptyDir" not in volume:
+        return volume, f"{WHERE} changes the volume {volume['name']}, which the engine reads; {REMOVE}"
+
+    def unsized(v: object) -> dict[str, Any] | None:
+        return {k: x for k, x in v.items() if k != "sizeLimit"} if isinstance(v, dict) else None
+
+    if given is not None and set(given) == {"name", "emptyDir"} and unsized(given["emptyDir"]) == unsized(
+            volume["emptyDir"]):
         return copy.deepcopy(given), None
-    if "emptyDir" in volume:
-        return volume, refusal(f"changes the volume {volume['name']}", "the engine's scratch space; only its "
-                               "emptyDir sizeLimit may change")
-    return volume, f"{WHERE} changes the volume {volume['name']}, which the engine reads; {REMOVE}"
+    return volume, refusal(f"changes the volume {volume['name']}", "the engine's scratch space; only its "
+                           "emptyDir sizeLimit may change")
 
 
 def _extra_volume_problem(volume: dict[str, Any]) -> str | None:

@@ -105,6 +105,9 @@ ATTACKS: dict[str, tuple[dict[str, Any], str]] = {
                                      "mounts the engine's volume control in the container thief"),
     "volume-named-like-the-models": (patch({"volumes": [{"name": "model", "hostPath": {"path": "/"}}]}),
                                      "changes the volume model, which the engine reads"),
+    # Triton's and Inductor's caches hold compiled code the engine loads: a claim someone filled first is code.
+    "cache-volume-from-a-claim": (patch({"volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "x"}}]}),
+                                  "changes the volume cache: the engine's scratch space"),
     "env-lower-case": (env("ld_preload", "/data/evil.so"), "changes the engine container's env ld_preload"),
     "env-proxy-lower-case": (env("https_proxy", "http://evil:3128"), "changes the engine container's env https_proxy"),
     "env-name-with-equals": (env("FOO=BAR"), "is not a plain variable name"),
