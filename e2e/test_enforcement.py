@@ -86,6 +86,22 @@ REFUSED_PODS: dict[str, tuple[dict[str, Any], str]] = {
         },
         "changes the engine container's mount at /models",
     ),
+    # issue 40: a second GPU through a sidecar, the hub's code path through the loader, the node's network
+    "sidecar-gpu": (
+        {"podTemplatePatch": {"spec": {"containers": [
+            {"name": "thief", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}},
+        "the container thief's resources.limits[nvidia.com/gpu] asks for",
+    ),
+    "ld-preload": (
+        {"podTemplatePatch": {"spec": {"containers": [
+            {"name": "engine", "env": [{"name": "LD_PRELOAD", "value": "/cache/evil.so"}]}]}}},
+        "changes the engine container's env LD_PRELOAD",
+    ),
+    "host-network": ({"podTemplatePatch": {"spec": {"hostNetwork": True}}}, "sets hostNetwork"),
+    "memory-1mi": (
+        {"resources": {"limits": {"memory": "1Mi"}}},
+        "memory limit 1Mi is below the 4 GiB the t4 profile's host side needs",
+    ),
 }
 
 

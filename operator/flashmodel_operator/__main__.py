@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flashmodel_operator import engine_image, extra_args_policy, heap, network_policy, routing, settings
+from flashmodel_operator import engine_image, extra_args_policy, heap, network_policy, pod_policy, routing, settings
 
 
 def main() -> None:
@@ -22,6 +22,7 @@ def main() -> None:
         network_policy.load()
         routing.load()
         extra_args_policy.load()
+        pod_policy.load()
     except ValueError as exc:
         sys.exit(f"flashmodel-operator: {exc}")
     heap.tune_collector()

@@ -760,11 +760,17 @@ class FlashModelSpec(_Spec):
         default_factory=dict,
         description=(
             "A patch onto the rendered pod template, merged by Kubernetes' strategic-merge rules, for what "
-            "the fields above do not cover. It cannot change the engine container's command, args, probes, "
-            "ports or mounts, the volumes the engine reads, the GPU count, the T4 node selector, the prewarm "
-            "readiness gate, or the hub token and cache environment (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, "
-            "HF_TOKEN_PATH, HF_HOME, HF_HUB_CACHE; set spec.model.hub instead): such a patch is refused "
-            "(status reason PodTemplateRefused)."
+            "the fields above do not cover. What it may set is an allow-list: on the engine container "
+            "extra env outside the reserved names (VLLM_, CUDA_, NVIDIA_, TORCH*, TRITON_, PYTHON*, LD_, HF_, "
+            "proxy and CA variables, ...), mounts of its own volumes outside the paths the engine reads, and "
+            "cpu and memory (a memory limit no lower than the profile's host side needs); sidecars and init "
+            "containers that meet Pod Security restricted with no GPU or other device and none of the "
+            "engine's volumes; extra labels and annotations outside the operator's; tolerations, affinity, "
+            "topologySpreadConstraints, nodeSelector keys outside the profile's, terminationGracePeriodSeconds "
+            "up to 300, imagePullSecrets, readiness gates, volumes of type emptyDir, configMap, secret, "
+            "projected, downwardAPI or persistentVolumeClaim, and a priorityClassName the cluster admin "
+            "allows. Anything else is "
+            "refused (status reason PodTemplateRefused) with the field it changed."
         ),
     )
 

@@ -22,7 +22,16 @@ from flashmodel_engine.contract import (
 from flashmodel_engine.profiles import used_extension
 from pydantic import BaseModel
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, KIND, VERSION, engine_image, extra_args_policy, network_policy
+from flashmodel_operator import (
+    FIELD_MANAGER,
+    GROUP,
+    KIND,
+    VERSION,
+    engine_image,
+    extra_args_policy,
+    network_policy,
+    pod_policy,
+)
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.placement import PodProfile, pod_profile
@@ -357,6 +366,7 @@ def _engine_container(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
@@ -404,7 +414,7 @@ def _pod_spec(
 
 
 def render_pod_template(fm: FlashModel) -> dict[str, Any]:
-    """The engine pod: the profile's settings, the user's fields, the patch, then the enforced parts again."""
+    """The engine pod: the profile's settings, the user's fields, and what pod_policy allows of the patch."""
     template, _ = render_pod(fm)
     return template
 
@@ -412,8 +422,9 @@ def render_pod_template(fm: FlashModel) -> dict[str, Any]:
 def pod_template_problems(fm: FlashModel) -> list[str]:
     """What the spec's podTemplatePatch, resources or nodeSelector try to change of the enforced pod.
 
-    The rendered pod holds the enforced parts whatever these say; the reconcile refuses such a spec
-    so that the user learns it, instead of running something other than what they wrote.
+    The rendered pod holds only what pod_policy's allow-list lets through, whatever these say; the
+    reconcile refuses such a spec so that the user learns it, instead of running something other than
+    what they wrote.
     """
     _, problems = render_pod(fm)
     return problems
@@ -433,7 +444,8 @@ def render_pod(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
         patched = strategic_merge(base, fm.spec.pod_template_patch)
     except PatchError as exc:
         return base, [*problems, f"spec.podTemplatePatch cannot be applied: {exc}"]
-    return patched, problems + enforce(base, patched)
+    pod, refused = pod_policy.enforce(base, patched, pod_profile(fm.spec.accelerator))
+    return pod, problems + refused
 
 
 def _spec_problems(fm: FlashModel) -> list[str]:
@@ -457,6 +469,8 @@ def _spec_problems(fm: FlashModel) -> list[str]:
                 f"spec.nodeSelector[{key}] is {fm.spec.node_selector[key]!r}; the {profile.name} profile runs "
                 f"only where it is {value!r}; remove it, or use the accelerator that matches those nodes"
             )
+    problems += pod_policy.resource_problems(fm.spec.resources, "spec.resources", profile)
+    problems += pod_policy.toleration_problems(fm.spec.tolerations, "spec.tolerations")
     return problems
 
 
@@ -667,211 +681,3 @@ def _merge_list(base: list[Any], patch: list[Any], path: tuple[str, ...], key: s
             else:
                 out[index] = merged
     return out
-
-
-# What of the pod the operator and the engine rely on, and why, for the refusal messages.
-_ENFORCED_CONTAINER_FIELDS = {
-    "image": "its launcher is what enforces the profile; the cluster admin allows others (engineImage.allowed), "
-    "which spec.engine.image may name",
-    "command": "it starts the launcher, which enforces the profile",
-    "args": "the launcher takes its settings from the engine config, not from arguments",
-    "startupProbe": "the health shim's probes are how the operator knows the engine state",
-    "livenessProbe": "the health shim's probes are how the operator knows the engine state",
-    "readinessProbe": "readiness is the shim's one-token generation",
-    "lifecycle": "its preStop sleep keeps a stopping pod serving until it has left the Service's endpoints",
-}
-
-
-# The volumes whose content the engine reads (its config, the operator's token, the weights, the API key,
-# the hub cache); the scratch ones (cache, tmp, dshm) a patch may resize.
-_READ_VOLUMES = frozenset({"config", "control", "model", "auth", HUB_CACHE_VOLUME})
-
-# Environment that decides which hub token the engine presents and where the hub cache is: only
-# spec.model.hub sets them. The engine container's `env` wins over its `envFrom`, so the operator's
-# own entries cannot be undone from a Secret either; a token a patch's envFrom brings while
-# tokenSecretRef is unset is one from the user's own namespace, as tokenSecretRef would name.
-_HUB_ENV = {
-    "HF_TOKEN": "set spec.model.hub.tokenSecretRef instead",
-    "HUGGING_FACE_HUB_TOKEN": "set spec.model.hub.tokenSecretRef instead",
-    "HF_TOKEN_PATH": "set spec.model.hub.tokenSecretRef instead",
-    "HF_HOME": "set spec.model.hub.cache instead",
-    "HF_HUB_CACHE": "set spec.model.hub.cache instead",
-    "HUGGINGFACE_HUB_CACHE": "set spec.model.hub.cache instead",
-}
-
-
-def _list(obj: dict[str, Any], key: str) -> list[Any]:
-    value = obj.get(key)
-    return value if isinstance(value, list) else []
-
-
-def _dict(obj: dict[str, Any], key: str) -> dict[str, Any]:
-    value = obj.get(key)
-    return value if isinstance(value, dict) else {}
-
-
-def enforce(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
-    """Put the enforced parts of `base` back into `patched` (in place); one line per part the patch changed."""
-    problems = _enforce_metadata(base, patched)
-    spec = patched.setdefault("spec", {})
-    problems += _enforce_engine(base["spec"]["containers"][0], spec)
-    problems += _enforce_pod_spec(base["spec"], spec)
-    return problems
-
-
-_WHERE = "spec.podTemplatePatch"
-
-
-def _enforce_metadata(base: dict[str, Any], patched: dict[str, Any]) -> list[str]:
-    problems: list[str] = []
-    meta = patched.setdefault("metadata", {})
-    for field in ("labels", "annotations"):
-        values = meta.get(field) if isinstance(meta.get(field), dict) else None
-        if values is None:
-            values = meta[field] = {}
-        for key, value in base["metadata"][field].items():
-            if values.get(key) != value:
-                problems.append(f"{_WHERE} changes the pod {field[:-1]} {key}, which the operator selects and rolls "
-                                "pods by; remove it from the patch")
-                values[key] = value
-    return problems
-
-
-def _enforce_engine(base_engine: dict[str, Any], spec: dict[str, Any]) -> list[str]:
-    """The engine container: there, with the enforced fields, ports, mounts, hub env and GPU resources."""
-    problems: list[str] = []
-    containers = spec.get("containers") if isinstance(spec.get("containers"), list) else None
-    if containers is None:
-        containers = spec["containers"] = []
-    engine = next((c for c in containers if isinstance(c, dict) and c.get("name") == base_engine["name"]), None)
-    if engine is None:
-        problems.append(f"{_WHERE} removes the engine container; remove that from the patch")
-        engine = copy.deepcopy(base_engine)
-        containers.insert(0, engine)
-    for field, why in _ENFORCED_CONTAINER_FIELDS.items():
-        if engine.get(field) != base_engine.get(field):
-            problems.append(f"{_WHERE} changes the engine container's {field}: {why}; remove it from the patch")
-            if field in base_engine:
-                engine[field] = copy.deepcopy(base_engine[field])
-            else:
-                engine.pop(field, None)
-    for part in (_enforce_ports, _enforce_mounts, _enforce_hub_env, _enforce_gpu_resources):
-        problems += part(base_engine, engine)
-    return problems
-
-
-def _enforce_ports(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    problems: list[str] = []
-    ports = _list(engine, "ports")
-    for port in base_engine["ports"]:
-        same = [p for p in ports if isinstance(p, dict) and (p.get("containerPort") == port["containerPort"]
-                                                               or p.get("name") == port["name"])]
-        if same != [port]:
-            problems.append(f"{_WHERE} changes the engine container's port {port['name']} ({port['containerPort']}): "
-                            "the Service and the operator reach the engine and the shim there; "
-                            "remove it from the patch")
-            ports = [p for p in ports if p not in same]
-            ports.append(copy.deepcopy(port))
-    engine["ports"] = sorted(ports, key=lambda p: (p not in base_engine["ports"], str(p.get("containerPort"))))
-    return problems
-
-
-def _enforce_mounts(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    problems: list[str] = []
-    mounts = _list(engine, "volumeMounts")
-    paths = [m.get("mountPath") for m in mounts if isinstance(m, dict)]
-    for path in sorted({p for p in paths if paths.count(p) > 1}, key=str):
-        problems.append(f"{_WHERE} mounts two volumes at {path}; keep one")
-    for mount in base_engine["volumeMounts"]:
-        at = [m for m in mounts if isinstance(m, dict) and m.get("mountPath") == mount["mountPath"]]
-        if at != [mount]:
-            problems.append(f"{_WHERE} changes the engine container's mount at {mount['mountPath']} "
-                            f"(volume {mount['name']}), which the engine reads; remove it from the patch")
-            mounts = [m for m in mounts if m not in at]
-            mounts.append(copy.deepcopy(mount))
-    engine["volumeMounts"] = mounts
-    return problems
-
-
-def _enforce_hub_env(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    problems: list[str] = []
-    env = [e for e in _list(engine, "env") if isinstance(e, dict)]
-    base_env = {e["name"]: e for e in base_engine["env"] if e["name"] in _HUB_ENV}
-    for name, instead in _HUB_ENV.items():
-        given = [e for e in env if e.get("name") == name]
-        want = [base_env[name]] if name in base_env else []
-        if given != want:
-            problems.append(f"{_WHERE} changes the engine container's env {name}, which picks the hub token or cache; "
-                            f"{instead}, and remove it from the patch")
-            env = [e for e in env if e.get("name") != name] + copy.deepcopy(want)
-    engine["env"] = env
-    return problems
-
-
-def _enforce_gpu_resources(base_engine: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    problems: list[str] = []
-    resources = _dict(engine, "resources")
-    for part in ("limits", "requests"):
-        for resource, amount in (base_engine["resources"].get(part) or {}).items():
-            if resource.startswith("nvidia.com/") and str((resources.get(part) or {}).get(resource)) != str(amount):
-                problems.append(f"{_WHERE} changes the engine container's {part}[{resource}]: the profile runs each "
-                                f"engine on exactly {amount}; remove it from the patch")
-                resources.setdefault(part, {})[resource] = amount
-    engine["resources"] = resources
-    return problems
-
-
-def _enforce_pod_spec(base_spec: dict[str, Any], spec: dict[str, Any]) -> list[str]:
-    """The pod's read volumes, its readiness gate, and the profile's GPU node selector and tolerations."""
-    problems: list[str] = []
-    volumes = _list(spec, "volumes")
-    for volume in base_spec["volumes"]:
-        if volume["name"] not in _READ_VOLUMES:
-            continue
-        same = [v for v in volumes if isinstance(v, dict) and v.get("name") == volume["name"]]
-        if same != [volume]:
-            problems.append(f"{_WHERE} changes the volume {volume['name']}, which the engine reads; "
-                            "remove it from the patch")
-            volumes = [v for v in volumes if v not in same]
-            volumes.append(copy.deepcopy(volume))
-    spec["volumes"] = volumes
-
-    gates = _list(spec, "readinessGates")
-    for gate in base_spec["readinessGates"]:
-        if gate not in gates:
-            problems.append(f"{_WHERE} drops the readiness gate {gate['conditionType']}: a pod takes traffic only "
-                            "after its prewarm; remove it from the patch")
-            gates = [*gates, gate]
-    spec["readinessGates"] = gates
-
-    selector = _dict(spec, "nodeSelector")
-    for key, value in (base_spec.get("nodeSelector") or {}).items():
-        if selector.get(key) != value and key.startswith("nvidia.com/"):
-            problems.append(f"{_WHERE} changes nodeSelector[{key}]: the profile runs only where it is {value!r}; "
-                            "remove it from the patch")
-            selector[key] = value
-    if selector:
-        spec["nodeSelector"] = selector
-    # A replaced toleration list (as a strategic merge replaces it) keeps the profile's GPU toleration.
-    tolerations = _list(spec, "tolerations")
-    for toleration in base_spec.get("tolerations") or []:
-        if toleration not in tolerations:
-            tolerations = [toleration, *tolerations]
-    if tolerations:
-        spec["tolerations"] = tolerations
-    problems += _enforce_no_api_token(spec)
-    return problems
-
-
-def _enforce_no_api_token(spec: dict[str, Any]) -> list[str]:
-    """No service-account token in the engine pod: the model's code (remote code included) runs there."""
-    problems: list[str] = []
-    for key in ("serviceAccountName", "serviceAccount"):
-        if spec.pop(key, None) not in (None, "", "default"):
-            problems.append(f"{_WHERE} sets {key}: the engine pod calls no Kubernetes API and gets no account "
-                            "of its own; remove it from the patch")
-    if spec.get("automountServiceAccountToken") is not False:
-        problems.append(f"{_WHERE} mounts a service-account token: the engine pod calls no Kubernetes API; "
-                        "remove automountServiceAccountToken from the patch")
-        spec["automountServiceAccountToken"] = False
-    return problems

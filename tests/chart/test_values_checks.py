@@ -116,6 +116,16 @@ def test_the_engine_image_is_the_operators_configuration() -> None:
     assert env["FLASHMODEL_ENGINE_IMAGE_PULL_SECRETS"] == "regcred,mirror"
 
 
+def test_the_allowed_priority_classes_are_the_operators_configuration() -> None:
+    assert "FLASHMODEL_ALLOWED_PRIORITY_CLASSES" not in _env(render())
+    env = _env(render("podPolicy.allowedPriorityClasses={inference,batch}"))
+    assert env["FLASHMODEL_ALLOWED_PRIORITY_CLASSES"] == "inference,batch"
+    values = _values()
+    values["podPolicy"]["allowedPriorityClasses"] = ["inference,batch"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(_schema()).validate(values)
+
+
 @pytest.mark.parametrize(
     ("key", "value"), [("allowed", ["a.example/x:1,b.example/y:2"]), ("pullSecrets", ["Reg_Cred"])]
 )

@@ -44,7 +44,6 @@ FULL_T4 = body(
         "podTemplatePatch": {
             "metadata": {"annotations": {"prometheus.io/scrape": "true"}},
             "spec": {
-                "priorityClassName": "inference",
                 "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]}],
             },
         },

@@ -12,12 +12,15 @@ from typing import Any
 import pytest
 import yaml
 from flashmodel_engine.contract import PREFLIGHT_EXIT_CODE
+from flashmodel_operator import pod_policy
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.pod_policy import PodPolicy
 from flashmodel_operator.reconcile import SECRET_WAIT_REASONS, reconcile, referenced_secrets
 from kubernetes.client.exceptions import ApiException
 
 from e2e.harness.cluster import ControlPlane
+from tests.operator.pod_attacks import ALLOWED_PRIORITY_CLASS, ATTACKS, CONTROLS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -290,6 +293,50 @@ def test_a_spec_that_undoes_the_enforced_pod_is_refused_and_no_pod_made(
     assert cluster.get("apps/v1", "Deployment", k8s_namespace, "undo") is None
     degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "undo")["status"]["conditions"]}["Degraded"]
     assert degraded["status"] == "True" and degraded["reason"] == reason
+
+
+@pytest.fixture
+def priority_classes() -> Iterator[None]:
+    pod_policy.use(PodPolicy(allowed_priority_classes=(ALLOWED_PRIORITY_CLASS,)))
+    yield
+    pod_policy.use(PodPolicy())
+
+
+# One namespace for the whole table: a namespace per row costs the control plane seconds each.
+@pytest.mark.usefixtures("priority_classes")
+def test_every_pod_attack_is_degraded_with_the_reason_and_gets_no_deployment(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    wrong = {}
+    for n, (row, (extra, says)) in enumerate(ATTACKS.items()):
+        # The API server stores each of these FlashModels (the patch is free-form); the operator refuses them.
+        name = f"attack-{n}"
+        outcome = reconcile(cluster, _create(control_plane, k8s_namespace, name, {**SPEC, **extra}))
+        conditions = _get(control_plane, k8s_namespace, name)["status"]["conditions"]
+        degraded = {c["type"]: c for c in conditions}["Degraded"]
+        if not (outcome.problem is not None and outcome.problem.reason == "PodTemplateRefused"
+                and degraded["status"] == "True" and degraded["reason"] == "PodTemplateRefused"
+                and says in degraded["message"]
+                and cluster.get("apps/v1", "Deployment", k8s_namespace, name) is None):
+            wrong[row] = (outcome.problem, degraded)
+    assert wrong == {}
+
+
+@pytest.mark.usefixtures("priority_classes")
+def test_an_ordinary_patch_gets_its_deployment_with_the_engine_intact(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    for n, (row, extra) in enumerate(CONTROLS.items()):
+        name = f"control-{n}"
+        outcome = reconcile(cluster, _create(control_plane, k8s_namespace, name, {**SPEC, **extra}))
+        assert outcome.problem is None, (row, outcome.problem)
+        assert outcome.applied[f"Deployment/{name}"] == "created", row
+        deployment = cluster.get("apps/v1", "Deployment", k8s_namespace, name) or {}
+        pod = deployment["spec"]["template"]["spec"]
+        engine = next(c for c in pod["containers"] if c["name"] == "engine")
+        assert engine["command"][:3] == ["python", "-m", "flashmodel_engine"], row
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1", row
+        assert engine["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsNonRoot"], row
 
 
 def test_a_child_the_api_server_refuses_is_degraded_not_silent(

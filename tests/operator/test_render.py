@@ -68,7 +68,6 @@ def test_user_overrides_merge_over_profile() -> None:
     kinds = _by_kind(_children(FULL_T4))
     pod = kinds["Deployment"]["spec"]["template"]
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4", "cloud.example/pool": "t4-spot"}
-    assert pod["spec"]["priorityClassName"] == "inference"
     env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
     assert {"EXTRA", "POD_IP", "HF_HOME"} <= env
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
@@ -230,17 +229,18 @@ def test_a_patch_cannot_change_the_enforced_pod(patch: dict[str, Any], problem: 
 
 
 def test_a_patch_that_adds_beside_the_enforced_pod_is_accepted() -> None:
-    patch = {"spec": {"priorityClassName": "inference", "tolerations": [{"key": "spot", "operator": "Exists"}],
+    # No priority class (none is allowed by default) and no extra engine port (the engine listens on its
+    # two): tests/operator/test_pod_policy.py holds the whole allow-list.
+    patch = {"spec": {"tolerations": [{"key": "spot", "operator": "Exists"}],
                       "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}],
-                                      "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
-                                      "ports": [{"name": "debug", "containerPort": 9000}]},
+                                      "volumeMounts": [{"name": "extra", "mountPath": "/extra"}]},
                                      {"name": "sidecar", "image": "busybox"}],
                       "volumes": [{"name": "extra", "emptyDir": {}}]}}
     fm = _with_patch(patch)
     assert pod_template_problems(fm) == []
     template = render_pod_template(fm)
     engine = _engine(template)
-    assert [p["containerPort"] for p in engine["ports"]] == [8000, 8081, 9000]
+    assert [p["containerPort"] for p in engine["ports"]] == [8000, 8081]
     assert [m["mountPath"] for m in engine["volumeMounts"]].count("/extra") == 1
     # tolerations are replaced by the patch, and the profile's GPU toleration is put back
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in template["spec"]["tolerations"]
