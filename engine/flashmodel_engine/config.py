@@ -249,6 +249,13 @@ class ServerSettings(_Strict):
         default=25, ge=0,
         description="On SIGTERM, wait this long for in-flight requests; keep below terminationGracePeriod.",
     )
+    compile_cache_dir: str | None = Field(
+        default=None, min_length=1,
+        description=(
+            "A folder the model's pods share (a claim) for vLLM's, Inductor's and Triton's compile caches, keyed "
+            "per vLLM, torch, accelerator and command line (flashmodel_engine.compile_cache); None: the pod's own."
+        ),
+    )
     control_token_file: str | None = Field(
         default=None, min_length=1,
         description="File with the token POST /prewarm requires (the operator's per-model Secret); None: none.",

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from flashmodel_engine.compile_cache import cache_env, cache_key
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.modelinfos import seed_modelinfos
 from flashmodel_engine.profiles import vllm_args, vllm_env
@@ -41,10 +42,19 @@ def engine_command(config: EngineConfig, python: str = sys.executable, *,
     return [python, "-m", VLLM_MODULE, *vllm_args(config, checkpoint_method)]
 
 
-def engine_environment(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM's environment: ours, the profile's variables, the API key, and the test hook if asked."""
+def engine_environment(
+    config: EngineConfig, base: dict[str, str] | None = None, argv: list[str] | None = None
+) -> dict[str, str]:
+    """vLLM's environment: ours, the profile's variables, the API key, and the test hook if asked.
+
+    With server.compileCacheDir (a claim the model's pods share) and the command line `argv`, the
+    compile caches go to that claim's folder for this vLLM, torch, accelerator and command line.
+    """
     env = dict(os.environ if base is None else base)
     env.update(vllm_env(config))
+    if config.server.compile_cache_dir is not None and argv is not None:
+        # The interpreter's path is the image's, not part of what was compiled.
+        env.update(cache_env(config.server.compile_cache_dir, cache_key(config.accelerator, argv[1:])))
     if config.auth is not None:
         # Through the environment, not --api-key: a flag shows in `ps` and in status.engineArgs.
         env["VLLM_API_KEY"] = Path(config.auth.api_key_file).read_text().strip()
@@ -82,7 +92,7 @@ class EngineProcess:
 
     async def start(self) -> None:
         """Spawn vLLM in its own session, so signals reach it only through us."""
-        env = engine_environment(self.config)
+        env = engine_environment(self.config, argv=self.argv)
         seed_modelinfos(env)  # spares vLLM re-deriving them in a subprocess (flashmodel_engine/modelinfos.py)
         self._proc = await asyncio.create_subprocess_exec(
             *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

@@ -145,6 +145,19 @@ class HubCache(_Spec):
     )
 
 
+class CompileCache(_Spec):
+    """Where the model's pods keep what vLLM, Inductor and Triton compile, so a new pod loads it instead."""
+
+    pvc: CachePVC = Field(
+        description=(
+            "A PersistentVolumeClaim the model's pods share, mounted read-write at /compile-cache; each "
+            "vLLM, torch, accelerator and engine command line gets a folder of its own there, so an upgrade "
+            "or a spec change starts a new one and never reuses a wrong entry. Writable by uid or gid 1000; "
+            "ReadWriteMany where pods run on several nodes. Old folders are yours to prune."
+        ),
+    )
+
+
 class HubSource(_Spec):
     """A model id that vLLM resolves itself (a hub id or a path inside the engine image)."""
 
@@ -725,6 +738,14 @@ class FlashModelSpec(_Spec):
     observability: ObservabilitySpec | None = Field(
         default=None,
         description="Telemetry the engine sends besides its Prometheus metrics; absent means none.",
+    )
+    compile_cache: CompileCache | None = Field(
+        default=None,
+        description=(
+            "Compile caches on a claim the model's pods share: a new pod (a scale-up, a replacement) skips "
+            "torch.compile and kernel builds an earlier pod did (on an H100, 108 s to serving became 66 s). Absent: "
+            "each pod compiles into its own emptyDir, kept only across its container restarts."
+        ),
     )
     routing: RoutingSpec | None = Field(
         default=None,

@@ -49,6 +49,8 @@ MODEL_LABEL = f"{GROUP}/model"
 CACHE_DIR = "/cache"
 HF_HOME = f"{CACHE_DIR}/huggingface"
 HUB_CACHE_VOLUME = "hub-cache"
+COMPILE_CACHE_VOLUME = "compile-cache"
+COMPILE_CACHE_DIR = "/compile-cache"
 HUB_DEFAULT_REVISION = "main"
 
 
@@ -169,6 +171,9 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         # Only when pinned: main is what vLLM fetches without the flag, and writing it would change
         # the config hash of every existing hub model.
         config["model"]["revision"] = hub.revision
+    if spec.compile_cache is not None:
+        # Only when set: the config hash of a model without one stays as it was.
+        config["server"]["compileCacheDir"] = COMPILE_CACHE_DIR
     if spec.observability is not None and spec.observability.otlp_traces_endpoint is not None:
         config["observability"] = engine_section("observability", spec.observability)
     if spec.model.trust_remote_code:
@@ -327,9 +332,15 @@ def _volumes(fm: FlashModel, profile: PodProfile) -> tuple[list[dict[str, Any]],
     if hub is not None and hub.cache is not None:
         # Mounted over HF_HOME inside the emptyDir: downloads land on the shared claim, and the next
         # pod (on any node) finds the files there instead of fetching them again. The compile caches
-        # stay per pod, since they hold kernels built for this pod's GPU and software.
+        # have a claim of their own (spec.compileCache), keyed by what they were built for.
         volumes.append({"name": HUB_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": hub.cache.pvc.claim_name}})
         mounts.append({"name": HUB_CACHE_VOLUME, "mountPath": HF_HOME})
+    if fm.spec.compile_cache is not None:
+        # The launcher points vLLM's, Inductor's and Triton's caches at a keyed folder on it
+        # (flashmodel_engine.compile_cache); the emptyDir at /cache keeps everything else.
+        claim = fm.spec.compile_cache.pvc.claim_name
+        volumes.append({"name": COMPILE_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append({"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_DIR})
     if fm.spec.auth is not None:
         ref = fm.spec.auth.api_key_secret_ref
         volumes.append(
