@@ -28,18 +28,8 @@ copy_back() {
   tail -n 4 "$dir/driver.log" 2>/dev/null | cut -c1-400
 }
 
-follow() {
-  local limit=${FOLLOW_S:-560} pid
-  pid=$(cat "$dir/pid" 2>/dev/null) || { echo "no run $run"; return 2; }
-  # Copies back every minute too: if the device's time ends during this call, what the run
-  # wrote by then still comes back with it.
-  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$limit" ]; do
-    sleep 5
-    [ $((SECONDS % 60)) -lt 5 ] && copy_back >/dev/null
-  done
-  if kill -0 "$pid" 2>/dev/null; then echo "RUNNING after ${SECONDS}s"; else echo "FINISHED"; fi
-  copy_back
-}
+# shellcheck source=bench/slo/gpu_follow.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_follow.sh"
 
 case $cmd in
 start)

@@ -19,19 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC: dict[str, Any] = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}}
 
 
-@pytest.fixture(scope="module")
-def crd(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.wait_established("flashmodels.serving.flashmodel.io")
-
-
-@pytest.fixture
-def cluster(control_plane: ControlPlane, crd: None) -> Iterator[Cluster]:
-    api = control_plane.api_client()
-    yield Cluster(api)
-    api.close()  # type: ignore[no-untyped-call]
-
-
 @pytest.fixture
 def extension() -> Iterator[None]:
     extra_args_policy.use(("--generation-config",))

@@ -97,32 +97,25 @@ def _apply(cp: ControlPlane, ns: str, name: str, spec: dict[str, Any]) -> dict[s
 
 
 def test_the_policy_is_a_child_while_on_and_goes_when_turned_off(
-    control_plane: ControlPlane, k8s_namespace: str, policy_on: EngineNetworkPolicy
+    control_plane: ControlPlane, k8s_namespace: str, policy_on: EngineNetworkPolicy, cluster: Cluster
 ) -> None:
-    control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.wait_established("flashmodels.serving.flashmodel.io")
-    api = control_plane.api_client()
-    try:
-        cluster = Cluster(api)
-        spec = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 1}
-        outcome = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
-        assert outcome.applied["NetworkPolicy/guarded-engine"] == "created"
-        stored = cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine")
-        assert stored is not None and stored["spec"]["ingress"][1]["from"][1] == MONITORING
-        # The status remembers it, so the pass after the setting is turned off looks for it (and only then).
-        assert _apply(control_plane, k8s_namespace, "guarded", spec)["status"]["networkPolicy"] is True
-        # A second pass writes nothing.
-        again = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
-        assert again.applied.get("NetworkPolicy/guarded-engine", "unchanged") == "unchanged"
+    spec = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 1}
+    outcome = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
+    assert outcome.applied["NetworkPolicy/guarded-engine"] == "created"
+    stored = cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine")
+    assert stored is not None and stored["spec"]["ingress"][1]["from"][1] == MONITORING
+    # The status remembers it, so the pass after the setting is turned off looks for it (and only then).
+    assert _apply(control_plane, k8s_namespace, "guarded", spec)["status"]["networkPolicy"] is True
+    # A second pass writes nothing.
+    again = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
+    assert again.applied.get("NetworkPolicy/guarded-engine", "unchanged") == "unchanged"
 
-        network_policy.use(EngineNetworkPolicy())
-        reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
-        assert cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine") is None
-        events = control_plane.kubectl(
-            "get", "events", "-n", k8s_namespace, "--field-selector", "involvedObject.name=guarded,reason=Deleted",
-            "-o", "jsonpath={.items[*].message}",
-        ).stdout
-        assert "deleted NetworkPolicy guarded-engine: the operator's networkPolicy is off" in events
-        assert "networkPolicy" not in (_apply(control_plane, k8s_namespace, "guarded", spec)["status"])
-    finally:
-        api.close()  # type: ignore[no-untyped-call]
+    network_policy.use(EngineNetworkPolicy())
+    reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
+    assert cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine") is None
+    events = control_plane.kubectl(
+        "get", "events", "-n", k8s_namespace, "--field-selector", "involvedObject.name=guarded,reason=Deleted",
+        "-o", "jsonpath={.items[*].message}",
+    ).stdout
+    assert "deleted NetworkPolicy guarded-engine: the operator's networkPolicy is off" in events
+    assert "networkPolicy" not in (_apply(control_plane, k8s_namespace, "guarded", spec)["status"])

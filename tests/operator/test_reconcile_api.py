@@ -25,19 +25,6 @@ from tests.operator.pod_attacks import ALLOWED_PRIORITY_CLASS, ATTACKS, CONTROLS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def crd(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "flashmodel.yaml"))
-    control_plane.wait_established("flashmodels.serving.flashmodel.io")
-
-
-@pytest.fixture
-def cluster(control_plane: ControlPlane, crd: None) -> Iterator[Cluster]:
-    api = control_plane.api_client()
-    yield Cluster(api)
-    api.close()  # type: ignore[no-untyped-call]
-
-
 def _create(cp: ControlPlane, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     doc = {
         "apiVersion": "serving.flashmodel.io/v1alpha1",

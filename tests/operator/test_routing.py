@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from flashmodel_operator import FIELD_MANAGER
 from flashmodel_operator.apply import Cluster
@@ -133,14 +132,6 @@ def _establish(cp: ControlPlane, path: Path, name: str) -> None:
 
 def _condition(fm: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in (fm.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
-
-
-@pytest.fixture
-def cluster(control_plane: ControlPlane) -> Any:
-    _establish(control_plane, ROOT / "crds" / "flashmodel.yaml", "flashmodels.serving.flashmodel.io")
-    api = control_plane.api_client()
-    yield Cluster(api)
-    api.close()  # type: ignore[no-untyped-call]
 
 
 def test_without_the_pool_crd_the_model_serves_through_its_service_and_says_what_to_install(
