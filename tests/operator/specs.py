@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from e2e.harness.cluster import ControlPlane
 
 UID = "6f1c2d3e-0000-4000-8000-000000000001"
 
@@ -84,3 +90,16 @@ GATED_HUB_T4 = body(
 )
 
 ALL = {"minimal-t4": MINIMAL_T4, "full-t4": FULL_T4, "cpu-hub": CPU_HUB, "gated-hub-t4": GATED_HUB_T4}
+
+
+def apply_model(cp: ControlPlane, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """kubectl-apply a FlashModel with `spec` to the real API server; the stored object, status included."""
+    doc = {"apiVersion": "serving.flashmodel.io/v1alpha1", "kind": "FlashModel",
+           "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    return get_model(cp, namespace, name)
+
+
+def get_model(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(cp.kubectl("get", "flashmodel", name, "-n", namespace, "-o", "json").stdout)
+    return found

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -18,7 +17,7 @@ from flashmodel_operator.render import render_children, selector_labels
 
 from e2e.harness.cluster import ControlPlane
 from tests.chart.test_chart import KUBE_VERSION, helm
-from tests.operator.specs import MINIMAL_T4
+from tests.operator.specs import MINIMAL_T4, apply_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "flashmodel-operator"
@@ -88,34 +87,26 @@ def test_a_wrong_setting_stops_the_operator_with_what_is_wrong(raw: str, says: s
         EngineNetworkPolicy.from_environ({ENV: raw})
 
 
-def _apply(cp: ControlPlane, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    doc = {"apiVersion": "serving.flashmodel.io/v1alpha1", "kind": "FlashModel",
-           "metadata": {"name": name, "namespace": ns}, "spec": spec}
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
-    body: dict[str, Any] = json.loads(cp.kubectl("get", "flashmodel", name, "-n", ns, "-o", "json").stdout)
-    return body
-
-
 def test_the_policy_is_a_child_while_on_and_goes_when_turned_off(
     control_plane: ControlPlane, k8s_namespace: str, policy_on: EngineNetworkPolicy, cluster: Cluster
 ) -> None:
     spec = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 1}
-    outcome = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "guarded", spec))
     assert outcome.applied["NetworkPolicy/guarded-engine"] == "created"
     stored = cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine")
     assert stored is not None and stored["spec"]["ingress"][1]["from"][1] == MONITORING
     # The status remembers it, so the pass after the setting is turned off looks for it (and only then).
-    assert _apply(control_plane, k8s_namespace, "guarded", spec)["status"]["networkPolicy"] is True
+    assert apply_model(control_plane, k8s_namespace, "guarded", spec)["status"]["networkPolicy"] is True
     # A second pass writes nothing.
-    again = reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
+    again = reconcile(cluster, apply_model(control_plane, k8s_namespace, "guarded", spec))
     assert again.applied.get("NetworkPolicy/guarded-engine", "unchanged") == "unchanged"
 
     network_policy.use(EngineNetworkPolicy())
-    reconcile(cluster, _apply(control_plane, k8s_namespace, "guarded", spec))
+    reconcile(cluster, apply_model(control_plane, k8s_namespace, "guarded", spec))
     assert cluster.get("networking.k8s.io/v1", "NetworkPolicy", k8s_namespace, "guarded-engine") is None
     events = control_plane.kubectl(
         "get", "events", "-n", k8s_namespace, "--field-selector", "involvedObject.name=guarded,reason=Deleted",
         "-o", "jsonpath={.items[*].message}",
     ).stdout
     assert "deleted NetworkPolicy guarded-engine: the operator's networkPolicy is off" in events
-    assert "networkPolicy" not in (_apply(control_plane, k8s_namespace, "guarded", spec)["status"])
+    assert "networkPolicy" not in (apply_model(control_plane, k8s_namespace, "guarded", spec)["status"])

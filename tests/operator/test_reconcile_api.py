@@ -21,25 +21,9 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.harness.cluster import ControlPlane
 from tests.operator.pod_attacks import ALLOWED_PRIORITY_CLASS, ATTACKS, CONTROLS
+from tests.operator.specs import apply_model, get_model
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _create(cp: ControlPlane, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    doc = {
-        "apiVersion": "serving.flashmodel.io/v1alpha1",
-        "kind": "FlashModel",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": spec,
-    }
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
-    return _get(cp, namespace, name)
-
-
-def _get(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
-    out = cp.kubectl("get", "flashmodel", name, "-n", namespace, "-o", "json").stdout
-    result: dict[str, Any] = json.loads(out)
-    return result
 
 
 SPEC = {"model": {"pvc": {"claimName": "models", "path": "qwen"}}, "replicas": 2}
@@ -59,7 +43,7 @@ CPU_SPEC = {
 def test_first_pass_creates_children_second_pass_writes_nothing(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster, spec: dict[str, Any]
 ) -> None:
-    body = _create(control_plane, k8s_namespace, "qwen", spec)
+    body = apply_model(control_plane, k8s_namespace, "qwen", spec)
     first = reconcile(cluster, body)
     assert set(first.applied.values()) == {"created"}
     assert sorted(first.applied) == [
@@ -81,14 +65,14 @@ def test_first_pass_creates_children_second_pass_writes_nothing(
         assert "flashmodel-operator" in fields
 
     # The API server has now defaulted and stored everything: a pass over unchanged input is free.
-    settled = _get(control_plane, k8s_namespace, "qwen")
+    settled = get_model(control_plane, k8s_namespace, "qwen")
     reconcile(cluster, settled)  # may record the Deployment controller's first status
     writes_before = cluster.writes
-    again = reconcile(cluster, _get(control_plane, k8s_namespace, "qwen"))
+    again = reconcile(cluster, get_model(control_plane, k8s_namespace, "qwen"))
     assert set(again.applied.values()) == {"unchanged"}
     assert cluster.writes == writes_before, "a no-op reconcile must send no write to the API server"
 
-    status = _get(control_plane, k8s_namespace, "qwen")["status"]
+    status = get_model(control_plane, k8s_namespace, "qwen")["status"]
     assert status["observedGeneration"] == 1
     block = "32" if spec is CPU_SPEC else "16"
     assert status["engineArgs"][status["engineArgs"].index("--block-size") + 1] == block
@@ -111,12 +95,12 @@ def test_a_new_models_first_pass_writes_its_children_without_reading_them_first(
             return super().get(api_version, kind, namespace, name)
 
     counting = Counting(cluster.api)
-    first = reconcile(counting, _create(control_plane, k8s_namespace, "fresh", SPEC))
+    first = reconcile(counting, apply_model(control_plane, k8s_namespace, "fresh", SPEC))
     assert set(first.applied.values()) == {"created"}
     assert reads == []
     # The next pass compares: nothing to write.
     reads.clear()
-    second = reconcile(counting, _get(control_plane, k8s_namespace, "fresh"))
+    second = reconcile(counting, get_model(control_plane, k8s_namespace, "fresh"))
     assert set(second.applied.values()) == {"unchanged"}
     assert {"ConfigMap", "Service", "PodDisruptionBudget", "Secret"} <= set(reads)
 
@@ -124,11 +108,11 @@ def test_a_new_models_first_pass_writes_its_children_without_reading_them_first(
 def test_spec_change_updates_only_what_changed(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
-    body = _create(control_plane, k8s_namespace, "edit", SPEC)
+    body = apply_model(control_plane, k8s_namespace, "edit", SPEC)
     reconcile(cluster, body)
     edited = copy.deepcopy(SPEC)
     edited["engine"] = {"maxModelLen": 2048, "maxNumBatchedTokens": 2048}
-    body = _create(control_plane, k8s_namespace, "edit", edited)
+    body = apply_model(control_plane, k8s_namespace, "edit", edited)
     assert body["metadata"]["generation"] == 2
     outcome = reconcile(cluster, body)
     assert outcome.applied["ConfigMap/edit-engine"] == "updated"
@@ -141,10 +125,10 @@ def test_spec_change_updates_only_what_changed(
 
 
 def test_drift_in_a_child_is_corrected(control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster) -> None:
-    body = _create(control_plane, k8s_namespace, "drift", SPEC)
+    body = apply_model(control_plane, k8s_namespace, "drift", SPEC)
     reconcile(cluster, body)
     control_plane.kubectl("scale", "deployment", "drift", "-n", k8s_namespace, "--replicas=5")
-    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "drift"))
+    outcome = reconcile(cluster, get_model(control_plane, k8s_namespace, "drift"))
     assert outcome.applied["Deployment/drift"] == "updated"
     replicas = control_plane.kubectl(
         "get", "deployment", "drift", "-n", k8s_namespace, "-o", "jsonpath={.spec.replicas}"
@@ -156,18 +140,18 @@ def test_a_budget_only_where_two_pods_can_serve(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
     # One serving pod: a budget would allow every pod unavailable and protect nothing.
-    single = reconcile(cluster, _create(control_plane, k8s_namespace, "one", {**SPEC, "replicas": 1}))
+    single = reconcile(cluster, apply_model(control_plane, k8s_namespace, "one", {**SPEC, "replicas": 1}))
     assert "PodDisruptionBudget/one" not in single.applied
     assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "one") is None
     # An autoscaler that may add a second pod keeps it from the start, not from its first scale-up.
     scaled = {**SPEC, "replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "scaler": "hpa"}}
-    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "scaled", scaled))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "scaled", scaled))
     assert outcome.applied["PodDisruptionBudget/scaled"] == "created"
 
     # 2 -> 1 -> 2: the budget goes with the second pod (with an event) and comes back with it.
-    reconcile(cluster, _create(control_plane, k8s_namespace, "shrink", SPEC))
+    reconcile(cluster, apply_model(control_plane, k8s_namespace, "shrink", SPEC))
     assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "shrink") is not None
-    reconcile(cluster, _create(control_plane, k8s_namespace, "shrink", {**SPEC, "replicas": 1}))
+    reconcile(cluster, apply_model(control_plane, k8s_namespace, "shrink", {**SPEC, "replicas": 1}))
     assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "shrink") is None
     events = control_plane.kubectl(
         "get", "events", "-n", k8s_namespace, "--field-selector", "involvedObject.name=shrink,reason=Deleted",
@@ -175,10 +159,10 @@ def test_a_budget_only_where_two_pods_can_serve(
     ).stdout
     assert "deleted PodDisruptionBudget shrink" in events
     # The next pass finds none and deletes nothing.
-    again = reconcile(cluster, _get(control_plane, k8s_namespace, "shrink"))
+    again = reconcile(cluster, get_model(control_plane, k8s_namespace, "shrink"))
     assert "PodDisruptionBudget/shrink" not in again.applied
     assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "shrink") is None
-    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "shrink", SPEC))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "shrink", SPEC))
     assert outcome.applied["PodDisruptionBudget/shrink"] == "created"
 
     # A budget of the same name that the model does not own is someone else's: left alone.
@@ -188,7 +172,7 @@ def test_a_budget_only_where_two_pods_can_serve(
         "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "theirs"}}},
     }
     control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(theirs))
-    reconcile(cluster, _get(control_plane, k8s_namespace, "one"))
+    reconcile(cluster, get_model(control_plane, k8s_namespace, "one"))
     assert cluster.get("policy/v1", "PodDisruptionBudget", k8s_namespace, "one") is not None
 
 
@@ -196,9 +180,10 @@ def test_missing_auth_secret_is_degraded_with_what_to_do(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
     spec = {**SPEC, "auth": {"apiKeySecretRef": {"name": "keys"}}}
-    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "auth", spec))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "auth", spec))
     assert outcome.problem is not None and outcome.problem.reason == "AuthSecretNotFound"
-    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "auth")["status"]["conditions"]}["Degraded"]
+    conditions = get_model(control_plane, k8s_namespace, "auth")["status"]["conditions"]
+    degraded = {c["type"]: c for c in conditions}["Degraded"]
     assert degraded["status"] == "True"
     assert f"Secret {k8s_namespace}/keys" in degraded["message"] and "create it" in degraded["message"]
     events = control_plane.kubectl(
@@ -217,7 +202,7 @@ def test_missing_auth_secret_is_degraded_with_what_to_do(
     assert cluster.get("apps/v1", "Deployment", k8s_namespace, "auth") is None
 
     control_plane.kubectl("create", "secret", "generic", "keys", "-n", k8s_namespace, "--from-literal=api-key=s3cret")
-    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "auth"))
+    outcome = reconcile(cluster, get_model(control_plane, k8s_namespace, "auth"))
     assert outcome.problem is None
     assert outcome.applied["Deployment/auth"] == "created"
 
@@ -226,9 +211,10 @@ def test_missing_hub_token_secret_holds_the_pods_and_says_what_to_do(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
 ) -> None:
     spec = {"model": {"hub": {"id": "meta-llama/Llama-3.2-1B-Instruct", "tokenSecretRef": {"name": "hf"}}}}
-    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "gated", spec))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "gated", spec))
     assert outcome.problem is not None and outcome.problem.reason == "HubTokenSecretNotFound"
-    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "gated")["status"]["conditions"]}["Degraded"]
+    conditions = get_model(control_plane, k8s_namespace, "gated")["status"]["conditions"]
+    degraded = {c["type"]: c for c in conditions}["Degraded"]
     assert degraded["status"] == "True" and degraded["reason"] == "HubTokenSecretNotFound"
     assert f"spec.model.hub.tokenSecretRef: Secret {k8s_namespace}/hf with key 'token' not found" in degraded["message"]
     assert "create it" in degraded["message"]
@@ -236,7 +222,7 @@ def test_missing_hub_token_secret_holds_the_pods_and_says_what_to_do(
     assert cluster.get("apps/v1", "Deployment", k8s_namespace, "gated") is None
 
     control_plane.kubectl("create", "secret", "generic", "hf", "-n", k8s_namespace, "--from-literal=token=hf_x")
-    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "gated"))
+    outcome = reconcile(cluster, get_model(control_plane, k8s_namespace, "gated"))
     assert outcome.problem is None
     deployment = cluster.get("apps/v1", "Deployment", k8s_namespace, "gated") or {}
     env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -274,11 +260,12 @@ def test_missing_hub_token_secret_holds_the_pods_and_says_what_to_do(
 def test_a_spec_that_undoes_the_enforced_pod_is_refused_and_no_pod_made(
     control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster, extra: dict[str, Any], reason: str, message: str
 ) -> None:
-    outcome = reconcile(cluster, _create(control_plane, k8s_namespace, "undo", {**SPEC, **extra}))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "undo", {**SPEC, **extra}))
     assert outcome.problem is not None and outcome.problem.reason == reason, outcome.problem
     assert message in outcome.problem.message
     assert cluster.get("apps/v1", "Deployment", k8s_namespace, "undo") is None
-    degraded = {c["type"]: c for c in _get(control_plane, k8s_namespace, "undo")["status"]["conditions"]}["Degraded"]
+    conditions = get_model(control_plane, k8s_namespace, "undo")["status"]["conditions"]
+    degraded = {c["type"]: c for c in conditions}["Degraded"]
     assert degraded["status"] == "True" and degraded["reason"] == reason
 
 
@@ -298,8 +285,8 @@ def test_every_pod_attack_is_degraded_with_the_reason_and_gets_no_deployment(
     for n, (row, (extra, says)) in enumerate(ATTACKS.items()):
         # The API server stores each of these FlashModels (the patch is free-form); the operator refuses them.
         name = f"attack-{n}"
-        outcome = reconcile(cluster, _create(control_plane, k8s_namespace, name, {**SPEC, **extra}))
-        conditions = _get(control_plane, k8s_namespace, name)["status"]["conditions"]
+        outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, name, {**SPEC, **extra}))
+        conditions = get_model(control_plane, k8s_namespace, name)["status"]["conditions"]
         degraded = {c["type"]: c for c in conditions}["Degraded"]
         if not (outcome.problem is not None and outcome.problem.reason == "PodTemplateRefused"
                 and degraded["status"] == "True" and degraded["reason"] == "PodTemplateRefused"
@@ -315,7 +302,7 @@ def test_an_ordinary_patch_gets_its_deployment_with_the_engine_intact(
 ) -> None:
     for n, (row, extra) in enumerate(CONTROLS.items()):
         name = f"control-{n}"
-        outcome = reconcile(cluster, _create(control_plane, k8s_namespace, name, {**SPEC, **extra}))
+        outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, name, {**SPEC, **extra}))
         assert outcome.problem is None, (row, outcome.problem)
         assert outcome.applied[f"Deployment/{name}"] == "created", row
         deployment = cluster.get("apps/v1", "Deployment", k8s_namespace, name) or {}
@@ -337,20 +324,20 @@ def test_a_child_the_api_server_refuses_is_degraded_not_silent(
         "spec": {"hard": {"services": "0"}},
     }
     control_plane.kubectl("apply", "-n", k8s_namespace, "-f", "-", input=yaml.safe_dump(quota))
-    body = _create(control_plane, k8s_namespace, "refused", SPEC)
+    body = apply_model(control_plane, k8s_namespace, "refused", SPEC)
     with pytest.raises(ApiException) as refused:
         reconcile(cluster, body)
     assert refused.value.status == 403
-    status = _get(control_plane, k8s_namespace, "refused")["status"]
+    status = get_model(control_plane, k8s_namespace, "refused")["status"]
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "ApplyFailed"
     assert "Service refused" in conditions["Degraded"]["message"] and "quota" in conditions["Degraded"]["message"]
     assert conditions["Ready"]["status"] == "False"
 
     control_plane.kubectl("delete", "resourcequota", "no-services", "-n", k8s_namespace)
-    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "refused"))
+    outcome = reconcile(cluster, get_model(control_plane, k8s_namespace, "refused"))
     assert outcome.problem is None
-    conditions = {c["type"]: c for c in _get(control_plane, k8s_namespace, "refused")["status"]["conditions"]}
+    conditions = {c["type"]: c for c in get_model(control_plane, k8s_namespace, "refused")["status"]["conditions"]}
     assert conditions["Degraded"]["status"] == "False"
 
 
@@ -364,7 +351,7 @@ def test_preflight_refusal_holds_at_zero_instead_of_crash_looping(
         "replicas": 1,
         "podTemplatePatch": {"metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}}},
     }
-    reconcile(cluster, _create(control_plane, k8s_namespace, "refused", spec))
+    reconcile(cluster, apply_model(control_plane, k8s_namespace, "refused", spec))
     pod = _wait_for_pod(control_plane, k8s_namespace, "refused")
     message = "preflight: head size 40 is not a multiple of 16 on t4; pick a model whose head size is"
     status = {
@@ -389,7 +376,7 @@ def test_preflight_refusal_holds_at_zero_instead_of_crash_looping(
     control_plane.kubectl(
         "patch", "pod", pod, "-n", k8s_namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
     )
-    outcome = reconcile(cluster, _get(control_plane, k8s_namespace, "refused"))
+    outcome = reconcile(cluster, get_model(control_plane, k8s_namespace, "refused"))
     assert outcome.problem is not None and outcome.problem.reason == "PreflightFailed"
     assert message in outcome.problem.message
     replicas = control_plane.kubectl(
@@ -397,9 +384,9 @@ def test_preflight_refusal_holds_at_zero_instead_of_crash_looping(
     ).stdout
     assert replicas == "0"
     # Held across passes (the pod is gone now) until the spec or the retry annotation changes.
-    assert reconcile(cluster, _get(control_plane, k8s_namespace, "refused")).problem is not None
+    assert reconcile(cluster, get_model(control_plane, k8s_namespace, "refused")).problem is not None
     control_plane.kubectl("annotate", "flashmodel", "refused", "-n", k8s_namespace, "serving.flashmodel.io/retry=1")
-    assert reconcile(cluster, _get(control_plane, k8s_namespace, "refused")).problem is None
+    assert reconcile(cluster, get_model(control_plane, k8s_namespace, "refused")).problem is None
     replicas = control_plane.kubectl(
         "get", "deployment", "refused", "-n", k8s_namespace, "-o", "jsonpath={.spec.replicas}"
     ).stdout

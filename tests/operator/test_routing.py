@@ -24,7 +24,7 @@ from flashmodel_operator.routing import (
 from flashmodel_operator.watched_models import WatchedModels
 
 from e2e.harness.cluster import ControlPlane
-from tests.operator.specs import body
+from tests.operator.specs import apply_model, body
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL_CRD_NAME = "inferencepools.inference.networking.k8s.io"
@@ -117,14 +117,6 @@ def test_the_route_matches_the_served_name_and_the_headers_on_the_named_gateway(
 # Against the real API server: the children, the Routing condition, and their removal.
 
 
-def _apply(cp: ControlPlane, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    doc = {"apiVersion": "serving.flashmodel.io/v1alpha1", "kind": "FlashModel",
-           "metadata": {"name": name, "namespace": ns}, "spec": spec}
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
-    found: dict[str, Any] = json.loads(cp.kubectl("get", "flashmodel", name, "-n", ns, "-o", "json").stdout)
-    return found
-
-
 def _establish(cp: ControlPlane, path: Path, name: str) -> None:
     cp.kubectl("apply", "--server-side", "-f", str(path))
     cp.wait_established(name)
@@ -140,9 +132,9 @@ def test_without_the_pool_crd_the_model_serves_through_its_service_and_says_what
     # The control plane is shared: a test before this one may have installed the CRD.
     control_plane.kubectl("delete", "crd", POOL_CRD_NAME, "--ignore-not-found", "--wait=true")
     spec = {"model": PVC_MODEL, "replicas": 1, "routing": {}}
-    outcome = reconcile(cluster, _apply(control_plane, k8s_namespace, "unrouted", spec))
+    outcome = reconcile(cluster, apply_model(control_plane, k8s_namespace, "unrouted", spec))
     assert outcome.applied["Deployment/unrouted"] == "created"
-    stored = _apply(control_plane, k8s_namespace, "unrouted", spec)
+    stored = apply_model(control_plane, k8s_namespace, "unrouted", spec)
     routing = _condition(stored, "Routing")
     assert routing is not None and routing["status"] == "False" and routing["reason"] == "InferencePoolCRDMissing"
     assert "gateway.installInferencePoolCRD" in routing["message"]
@@ -156,7 +148,7 @@ def test_the_pool_and_picker_are_children_while_routed_and_go_with_spec_routing(
     _establish(control_plane, POOL_CRD, POOL_CRD_NAME)
     ns, name = k8s_namespace, "routed"
     spec = {"model": PVC_MODEL, "replicas": 1, "routing": {"picker": {"prefixCache": 5}}}
-    outcome = reconcile(cluster, _apply(control_plane, ns, name, spec))
+    outcome = reconcile(cluster, apply_model(control_plane, ns, name, spec))
     for child in ("InferencePool/routed", "Deployment/routed-epp", "Service/routed-epp", "ConfigMap/routed-epp",
                   "ServiceAccount/routed-epp", "Role/routed-epp", "RoleBinding/routed-epp"):
         assert outcome.applied.get(child) == "created", (child, outcome.applied)
@@ -168,10 +160,10 @@ def test_the_pool_and_picker_are_children_while_routed_and_go_with_spec_routing(
     assert routing is not None and routing["reason"] == "PickerNotReady" and "FailClose" in routing["message"]
     assert stored["status"]["routing"] == {"pool": name, "endpointPicker": "routed-epp", "pickerReady": False}
     # A second pass writes none of them again.
-    again = reconcile(cluster, _apply(control_plane, ns, name, spec))
+    again = reconcile(cluster, apply_model(control_plane, ns, name, spec))
     assert {k: v for k, v in again.applied.items() if v != "unchanged"} == {}
 
-    reconcile(cluster, _apply(control_plane, ns, name, {"model": PVC_MODEL, "replicas": 1}))
+    reconcile(cluster, apply_model(control_plane, ns, name, {"model": PVC_MODEL, "replicas": 1}))
     assert cluster.get("inference.networking.k8s.io/v1", "InferencePool", ns, name) is None
     assert cluster.get("apps/v1", "Deployment", ns, "routed-epp") is None
     assert cluster.get("rbac.authorization.k8s.io/v1", "Role", ns, "routed-epp") is None
@@ -211,16 +203,16 @@ def test_a_younger_conflicting_model_gets_its_pool_but_no_route_on_the_real_api_
     watching = Cluster(cluster.api, models=models)
     routing = {"gateway": {"name": "edge"}, "headers": [{"name": "X-Task-Type", "value": "chat"}]}
     spec = {"model": PVC_MODEL, "replicas": 1, "routing": routing}
-    first = _apply(control_plane, ns, "first", spec)
+    first = apply_model(control_plane, ns, "first", spec)
     models.event("ADDED", first)
     time.sleep(1.1)  # creation timestamps have whole seconds
-    second = _apply(control_plane, ns, "second", spec)
+    second = apply_model(control_plane, ns, "second", spec)
     models.event("ADDED", second)
     # Without the Gateway API CRDs the route itself is refused (404): the younger model's route is not
     # even tried, which the outcome shows.
     outcome = reconcile(watching, second)
     assert "HTTPRoute/second" not in outcome.applied and outcome.applied["InferencePool/second"] == "created"
-    stored = _apply(control_plane, ns, "second", spec)
+    stored = apply_model(control_plane, ns, "second", spec)
     routing_condition = _condition(stored, "Routing")
     assert routing_condition is not None and routing_condition["reason"] == "RouteConflict"
     assert f"{ns}/first" in routing_condition["message"] and "x-task-type: chat" in routing_condition["message"]
