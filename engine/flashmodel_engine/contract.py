@@ -30,6 +30,17 @@ LIVENESS_PATH = "/livez"
 READINESS_PATH = "/readyz"
 PREWARM_PATH = "/prewarm"
 METRICS_PATH = "/metrics"
+ADAPTERS_PATH = "/adapters"
+"""LoRA adapters at run time. PUT (the operator's control token, like POST /prewarm) with the whole desired
+set, `{"adapters": [ADAPTER, ...]}`, where ADAPTER is `{"name": N, "path": "/in/the/pod"}` or
+`{"name": N, "hub": "org/repo", "revision": "<40 hex>"}`: the shim loads what is new or changed, unloads
+what is gone, and answers 200 with the state of each, `{"adapters": [{"name": N, "state": "loaded" |
+"failed", "reason": R}], "set": "<hash of the desired set>"}`; a malformed body gets 400 with a reason.
+GET answers the same without changing anything. One adapter failing never unloads the base model or
+the other adapters. The operator PUTs the set on every pod whenever it changes, and on a new pod before
+its prewarm, which then covers every loaded adapter."""
+ADAPTER_LOADED = "flashmodel_adapter_loaded"
+"""A gauge per adapter (label `adapter`): 1 loaded, 0 failed."""
 HEALTH_POLL_PATH = "/health/poll"
 """The operator's poll in one small JSON answer: /readyz's result and the few /metrics values it reads.
 
