@@ -72,11 +72,19 @@ def log(event: str, **fields: object) -> None:
 
 
 def _status_kib(pid: int) -> dict[str, int]:
+    """RSS by kind from /proc/PID/status, and PSS from smaps_rollup: pages two processes share (the
+    libraries and weights the API server and the engine core both map) count once in PSS, as the
+    pod's memory cgroup charges them once."""
     out: dict[str, int] = {}
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, rest = line.partition(":")
             if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+                out[key] = int(rest.split()[0])
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Pss", "Pss_Anon", "Pss_File"):
                 out[key] = int(rest.split()[0])
     return out
 
@@ -91,10 +99,13 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
+KINDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "Pss", "Pss_Anon", "Pss_File")
+
+
 class RssSampler:
     """Peak resident memory of one process group, by phase (the caller names the phase)."""
 
-    def __init__(self, pgid: int, every_s: float = 0.2) -> None:
+    def __init__(self, pgid: int, every_s: float = 0.25) -> None:
         self.pgid, self.every_s = pgid, every_s
         self.phase = "start"
         self.peaks: dict[str, dict[str, int]] = {}
@@ -105,13 +116,13 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0, "RssShmem": 0, "processes": 0}
+            total = dict.fromkeys(KINDS, 0) | {"processes": 0}
             for pid in group_pids(self.pgid):
                 st = _status_kib(pid)
                 if not st:
                     continue
                 total["processes"] += 1
-                for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                for k in KINDS:
                     total[k] += st.get(k, 0)
                 rec = self.processes.setdefault(pid, {"cmd": _cmdline(pid), "peak_rss_kib": 0})
                 rec["peak_rss_kib"] = max(rec["peak_rss_kib"], st.get("VmRSS", 0))
@@ -418,14 +429,16 @@ def markdown(res: dict[str, Any]) -> str:
         "## Servers",
         "",
         "| server | /health s | prewarm s | GPU MiB | host RSS peak MiB (start / prewarm / serving) "
-            "| anon / file / shmem at peak phase |",
-        "|---|---|---|---|---|---|",
+        "| anon / file / shmem at peak phase | PSS peak MiB (anon / file) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rec in res.get("servers", {}).items():
         peaks = (rec.get("rss") or {}).get("peaks_mib_by_phase", {})
         rss = " / ".join(_f((peaks.get(ph) or {}).get("VmRSS")) for ph in ("start", "prewarm", "serving"))
         top = max(peaks.values(), key=lambda p: p.get("VmRSS", 0), default={})
         split = " / ".join(_f(top.get(k)) for k in ("RssAnon", "RssFile", "RssShmem"))
+        pss = max(peaks.values(), key=lambda p: p.get("Pss", 0), default={})
+        split += f" | {_f(pss.get('Pss'))} ({_f(pss.get('Pss_Anon'))} / {_f(pss.get('Pss_File'))})"
         lines.append(
             f"| {name} | {_f(rec.get('health_s'))} | {_f(rec.get('prewarm_s'))} "
             f"| {_f(rec.get('process_gpu_mib'))} | {rss} | {split} |"
