@@ -100,7 +100,7 @@ REFUSED_PODS: dict[str, tuple[dict[str, Any], str]] = {
     "host-network": ({"podTemplatePatch": {"spec": {"hostNetwork": True}}}, "sets hostNetwork"),
     "memory-1mi": (
         {"resources": {"limits": {"memory": "1Mi"}}},
-        "memory limit 1Mi is below the 4 GiB the t4 profile's host side needs",
+        "memory limit 1Mi is below the 4 GiB the t4 profile's host side holds",
     ),
 }
 

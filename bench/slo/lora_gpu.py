@@ -581,6 +581,7 @@ def main() -> int:
             b.stop("lora")
         if "tile" not in skip and b.left() > 150:
             site = Path(a.plugin_site)
+            sys.path.insert(0, str(ROOT / "kernels"))  # cudagraph_gpu imports the kernel package
             from bench.kernels.cudagraph_gpu import plugin_site
 
             plugin_site(site)

@@ -299,12 +299,12 @@ def _extra_volume_problem(volume: dict[str, Any]) -> str | None:
 
 PLAIN_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage"})
 GIB = 1024**3
-# The host memory an engine needs beside its GPU: the launcher and the shim, the vLLM API server and its
-# engine core (each a Python with torch and vLLM imported), the CUDA context, and safetensors shards
-# read through the page cache on their way to the card. docs/benchmarks holds no measured RSS of a t4
-# engine pod, so the t4 floor is an estimate with room; cpu is the preflight's own plan
-# (CPU_RUNTIME_OVERHEAD_BYTES 2 GiB + the profile's 1 GiB KV cache), weights aside.
-HOST_MEMORY_FLOOR_BYTES = {"t4": 4 * GIB, "cpu": 3 * GIB}
+# The host memory below which an engine pod is OOM-killed at start: the anonymous memory (no swap gives
+# it back) of the launcher and shim, the vLLM API server and its engine core. Measured (docs/benchmarks/
+# lora.md): t4 profile, 1.5B, 3,162 MiB for vLLM's processes plus 402 MiB for the launcher = 3.5 GiB;
+# cpu profile with its 1 GiB KV cache, 2,793 + 402 MiB = 3.1 GiB. The weights' page cache is charged
+# too but reclaimed under pressure, so it is the recommended limit (6 GiB for t4), not the floor.
+HOST_MEMORY_FLOOR_BYTES = {"t4": 4 * GIB, "cpu": 4 * GIB}
 _SUFFIXES: dict[str, int | Decimal] = {
              "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5, "Ei": 1024**6,
              "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6, "G": 10**9,
@@ -351,9 +351,9 @@ def resource_problems(resources: object, where: str, profile: PodProfile | None)
     amount = quantity(memory) if memory is not None else None
     if memory is not None and floor is not None and (amount is None or amount < floor):
         problems.append(f"{where} memory limit {memory} is below the {floor // GIB} GiB the {profile.name} "
-                        "profile's host side needs (launcher, vLLM processes, CUDA context, weights staged through "
-                        f"host memory): the engine would be OOM-killed at start; raise it to {floor // GIB}Gi or "
-                        "more, or remove the limit")
+                        "profile's host side holds at start (the launcher and shim, vLLM's API server and engine core; "
+                        "docs/benchmarks/lora.md): the engine would be OOM-killed at start; raise it to "
+                        f"{floor // GIB}Gi or more, or remove the limit")
     return problems
 
 

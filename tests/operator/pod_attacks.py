@@ -86,9 +86,9 @@ ATTACKS: dict[str, tuple[dict[str, Any], str]] = {
     "system-node-critical": (patch({"priorityClassName": "system-node-critical"}),
                              "sets priorityClassName 'system-node-critical'"),
     "memory-1mi-patch": (engine(resources={"limits": {"memory": "1Mi"}}),
-                         "memory limit 1Mi is below the 4 GiB the t4 profile's host side needs"),
+                         "memory limit 1Mi is below the 4 GiB the t4 profile's host side holds"),
     "memory-1mi-spec": ({"resources": {"limits": {"memory": "1Mi"}}},
-                        "spec.resources memory limit 1Mi is below the 4 GiB the t4 profile's host side needs"),
+                        "spec.resources memory limit 1Mi is below the 4 GiB the t4 profile's host side holds"),
     # more: a GPU, the node or another model's traffic by other ways
     "resource-claims": (patch({"resourceClaims": [{"name": "gpu", "resourceClaimName": "any-gpu"}]}),
                         "sets resourceClaims: dynamic resource allocation"),

