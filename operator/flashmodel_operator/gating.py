@@ -253,7 +253,7 @@ class PodWatch:
             divergent = metrics.divergence_recommended
             self.clocks.divergent_since = (self.clocks.divergent_since or now) if divergent else None
             created = str(pod["metadata"].get("creationTimestamp") or "")
-            if metrics.startup and note_startup(fm, ctx.name, record, dict(metrics.startup), created):
+            if metrics.startup and note_startup(ctx.state, fm, ctx.name, record, dict(metrics.startup), created):
                 await ctx.write_pods_status()
         self.clocks.readyz_failing_since = None if ready else (self.clocks.readyz_failing_since or now)
         health = PodHealth(

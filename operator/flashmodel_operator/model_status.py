@@ -52,18 +52,20 @@ def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
 
 
 def note_startup(
-    fm: Mapping[str, Any], name: str, record: PodRecord, engine: Mapping[str, float], created: str
+    state: ModelState, fm: Mapping[str, Any], name: str, record: PodRecord, engine: Mapping[str, float], created: str
 ) -> bool:
     """Take a pod's start-up phases from its health poll; True when they are new (status.pods is to be written).
 
     They change once per engine start, so this writes once per start, not once per poll. The
     histogram counts each start once: a start the model's status already shows was counted by the
-    operator that wrote it (before a restart of this one).
+    operator that wrote it (before a restart of this one). `created`: the pod's creationTimestamp.
     """
     times = startup_times(engine)
     if times is None or times == record.startup:
         return False
-    record.startup, record.created = times, created
+    record.startup = times
+    if state.latest_startup is None or (created, name) >= state.latest_startup[:2]:
+        state.latest_startup = (created, name, times)
     shown = any(
         entry.get("name") == name and entry.get("startupSeconds") == times.seconds
         for entry in (fm.get("status") or {}).get("pods") or []
@@ -75,13 +77,11 @@ def note_startup(
     return True
 
 
-def startup_summary(pods: Mapping[str, PodRecord]) -> dict[str, Any] | None:
+def startup_summary(state: ModelState) -> dict[str, Any] | None:
     """status.startup: the newest pod's start-up and its slowest phase; None while no pod reported one."""
-    started = [(record.created, name, record.startup) for name, record in pods.items() if record.startup]
-    if not started:
+    if state.latest_startup is None:
         return None
-    _, name, times = max(started, key=lambda s: (s[0], s[1]))
-    assert times is not None
+    _, name, times = state.latest_startup
     phase, seconds = times.slowest
     return {"lastPod": name, "lastPodSeconds": times.seconds, "slowestPhase": phase, "slowestPhaseSeconds": seconds}
 
@@ -91,7 +91,7 @@ async def write_pods(cluster: Cluster, namespace: str, model: str, state: ModelS
     they changed."""
     async with state.lock:
         pods = [record.to_status(name) for name, record in sorted(state.pods.items())]
-        startup = startup_summary(state.pods)
+        startup = startup_summary(state)
         if (pods, startup) == state.written:
             return
         state.written = (pods, startup)

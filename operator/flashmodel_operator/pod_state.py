@@ -74,8 +74,6 @@ class PodRecord:
     """The pod's config hash: which spec it runs."""
     startup: StartupTimes | None = None
     """The engine's last start, by phase, once its health poll reported it."""
-    created: str = ""
-    """The pod's creationTimestamp: the model's status.startup is its newest pod's."""
 
     @property
     def serving(self) -> bool:
@@ -111,6 +109,8 @@ class ModelState:
     last_hold: str | None = None
     """The reason the model's remediation is held now (RestartBudgetExhausted, BackingOff, ...), if it is."""
     last_hold_message: str = ""
+    latest_startup: tuple[str, str, StartupTimes] | None = None
+    """(creationTimestamp, name, start-up) of the newest pod whose start-up was read, gone or not: status.startup."""
     written: tuple[list[dict[str, Any]], dict[str, Any] | None] | None = None
     """status.pods and status.startup as last written: a write that changes neither is skipped."""
     control_token: str | None = None

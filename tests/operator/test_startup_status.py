@@ -17,7 +17,7 @@ from flashmodel_operator.apply import Cluster
 from flashmodel_operator.gating import PodWatch
 from flashmodel_operator.model_status import note_startup, startup_summary
 from flashmodel_operator.pod_state import STARTUP_PHASES as STATUS_PHASES
-from flashmodel_operator.pod_state import PodRecord, startup_times
+from flashmodel_operator.pod_state import ModelState, PodRecord, startup_times
 from flashmodel_operator.render import PREWARM_GATE
 from flashmodel_operator.settings import OperatorSettings, use
 from flashmodel_operator.shim_client import parse_health_poll
@@ -108,14 +108,14 @@ def test_unreadable_phases_are_left_out_and_never_fail_the_poll(value: object) -
 
 
 def test_a_pod_entry_shows_its_start_and_validates_against_the_crd_schema() -> None:
-    times = startup_times(GPU_ENGINE)
-    record = PodRecord(prewarmed=True, cold_ttft_ms=900.0, warm_ttft_ms=40.0, startup=times)
+    state = ModelState()
+    record = PodRecord(prewarmed=True, cold_ttft_ms=900.0, warm_ttft_ms=40.0)
+    assert note_startup(state, {}, "qwen-a", record, GPU_ENGINE, "2026-12-07T10:00:00Z")
     entry = record.to_status("qwen-a")
-    assert times is not None
-    assert entry["startupSeconds"] == times.seconds
+    assert record.startup is not None
+    assert entry["startupSeconds"] == record.startup.seconds
     assert entry["startupPhases"]["graphCapture"] == 23.0
-    summary = startup_summary({"qwen-a": record})
-    status = FlashModelStatus.model_validate({"pods": [entry], "startup": summary})
+    status = FlashModelStatus.model_validate({"pods": [entry], "startup": startup_summary(state)})
     assert status.startup is not None and status.startup.slowest_phase == "engineOther"
     # Before the engine reported its start-up, the entry says nothing of it.
     assert "startupSeconds" not in PodRecord(prewarmed=True).to_status("qwen-b")
@@ -126,27 +126,30 @@ def _observed(phase: str) -> float:
     return value or 0.0
 
 
+CPU_ENGINE = {"launcher": 3.0, "engine_load": 28.0, "engine_init": 6.0, "engine_init_other": 6.0}
+
+
 def test_a_start_is_noted_and_counted_once_and_the_newest_pods_is_the_models() -> None:
-    fm: dict[str, Any] = {"status": {}}
+    state = ModelState()
     older, newer = PodRecord(prewarmed=True), PodRecord(prewarmed=True)
+    assert startup_summary(state) is None
     before = _observed("total"), _observed("graphCapture")
-    assert note_startup(fm, "qwen-a", older, GPU_ENGINE, "2026-12-07T10:00:00Z")
+    assert note_startup(state, {}, "qwen-a", older, GPU_ENGINE, "2026-12-07T10:00:00Z")
     assert (_observed("total"), _observed("graphCapture")) == (before[0] + 1, before[1] + 1)
     # The same phases on every later poll: nothing to write, nothing to count.
-    assert not note_startup(fm, "qwen-a", older, GPU_ENGINE, "2026-12-07T10:00:00Z")
+    assert not note_startup(state, {}, "qwen-a", older, GPU_ENGINE, "2026-12-07T10:00:00Z")
     assert _observed("total") == before[0] + 1
-    cpu = {"launcher": 3.0, "engine_load": 28.0, "engine_init": 6.0, "engine_init_other": 6.0}
-    assert note_startup(fm, "qwen-b", newer, cpu, "2026-12-07T10:05:00Z")
-    assert startup_summary({"qwen-a": older, "qwen-b": newer}) == {
-        "lastPod": "qwen-b", "lastPodSeconds": 31.0, "slowestPhase": "engineOther", "slowestPhaseSeconds": 22.0,
-    }
-    assert startup_summary({"qwen-c": PodRecord()}) is None
+    newest = {"lastPod": "qwen-b", "lastPodSeconds": 31.0, "slowestPhase": "engineOther", "slowestPhaseSeconds": 22.0}
+    assert note_startup(state, {}, "qwen-b", newer, CPU_ENGINE, "2026-12-07T10:05:00Z")
+    assert startup_summary(state) == newest
+    # An older pod read later (an operator restarted reads its pods in any order) is not the newest.
+    assert note_startup(state, {}, "qwen-c", PodRecord(), GPU_ENGINE, "2026-12-07T09:00:00Z")
+    assert startup_summary(state) == newest
     # An operator restarted reads its pods' phases again: a start the status already shows is written
     # (its memory is empty) but not counted a second time.
     shown = {"status": {"pods": [newer.to_status("qwen-b")]}}
-    again = PodRecord(prewarmed=True)
     total = _observed("total")
-    assert note_startup(shown, "qwen-b", again, cpu, "2026-12-07T10:05:00Z")
+    assert note_startup(ModelState(), shown, "qwen-b", PodRecord(), CPU_ENGINE, "2026-12-07T10:05:00Z")
     assert _observed("total") == total
 
 
