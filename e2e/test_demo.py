@@ -44,6 +44,9 @@ def test_objects_only_shows_every_example_and_its_children() -> None:
     pods = re.findall(r"^pod/\S+\s+\S+\s+(\S+)\s+\d+\s+\S+\s+\S+\s+(\S+)", out, re.MULTILINE)
     assert len(pods) == len(names) and all(node.startswith("t4-node-") for _, node in pods), pods
     assert "Act 1" not in out, "--objects-only must start no engine"
+    # It ends with what to do next, not with a promise of acts it does not run.
+    assert "the next acts run real ones" not in out
+    assert "Next:" in out and "bash scripts/demo.sh --keep" in out, out[-2000:]
 
 
 def test_the_script_refuses_an_unknown_argument_and_says_what_it_takes() -> None:
@@ -73,6 +76,8 @@ def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_req
     assert "status.standbyReplicas: 1" in out
     assert re.search(r"^HTTP 200 in \d+ ms: .*\"finish_reason\"", out, re.MULTILINE), out[-6000:]
     assert "The same request without the key: HTTP 401" in out
+    # The printed curl works pasted into a shell: $KEY inside double quotes is expanded.
+    assert '-H "Authorization: Bearer $KEY"' in out, out[-6000:]
     # Act 2: the act-1 standby promoted before the diverging pod's gate closed, then the eviction,
     # and the client lost nothing.
     (server,) = [name for name, role, _, _ in rows if role == "serving"]
@@ -100,6 +105,7 @@ def test_the_full_demo_answers_and_replaces_a_diverging_pod_without_a_failed_req
     counts = re.search(r"accepted=(\d+) completed=(\d+) failed=(\d+)", out)
     assert counts, out[-6000:]
     assert int(counts[3]) == 0 and int(counts[2]) > 10, counts[0]
+    assert "Next:" in out and "bash scripts/demo.sh --keep" in out, out[-2000:]
 
 
 def test_the_heartbeat_names_the_engines_stage_not_a_line_inside_a_dump(tmp_path: Path) -> None:

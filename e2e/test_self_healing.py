@@ -114,7 +114,7 @@ def serving(control_plane: ControlPlane, healing: tuple[str, EngineKubelet]) -> 
 
 
 def test_prewarm_gates_traffic_then_model_ready(
-    control_plane: ControlPlane, healing: tuple[str, EngineKubelet]
+    control_plane: ControlPlane, healing: tuple[str, EngineKubelet], operator_metric: OperatorMetric
 ) -> None:
     """Slow (minutes) in its set-up: the module's `healing` fixture starts two real vLLM engines on two
     cores, and this first test waits for both to load and prewarm."""
@@ -139,6 +139,43 @@ def test_prewarm_gates_traffic_then_model_ready(
     slices = get_json(control_plane, "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={MODEL}")["items"]
     ready_ips = {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
     assert ready_ips == {p.ip for p in kubelet.pods.values()}
+    _assert_start_up_in_status(control_plane, ns, kubelet, operator_metric)
+
+
+def _assert_start_up_in_status(
+    cp: ControlPlane, ns: str, kubelet: EngineKubelet, operator_metric: OperatorMetric
+) -> None:
+    """Each pod's start-up by phase, as its real engine measured it, in status.pods[] and status.startup."""
+
+    def started() -> dict[str, Any]:
+        status = get_json(cp, "flashmodel", MODEL, "-n", ns).get("status") or {}
+        pods = status.get("pods") or []
+        return status if len(pods) == 2 and all("startupSeconds" in e for e in pods) and "startup" in status else {}
+
+    # Written after the first health poll that follows each prewarm.
+    status = wait_for("status.pods[].startupSeconds of both pods", started, timeout=60, interval=1)
+    by_name = {pod.name: pod for pod in kubelet.pods.values()}
+    for entry in status["pods"]:
+        phases = entry["startupPhases"]
+        print(f"bench: start-up of {entry['name']}: {entry['startupSeconds']} s {phases}")
+        # vLLM on the CPU runs eager: no torch.compile, no CUDA graphs.
+        assert {"launcher", "engineOther", "weights", "kvInit", "prewarm"} <= set(phases) <= {
+            "launcher", "engineOther", "weights", "kvInit", "prewarm", "compile"}, phases
+        assert "graphCapture" not in phases
+        assert phases["kvInit"] > 0 and phases["engineOther"] > 0 and phases["prewarm"] > 0, phases
+        assert entry["startupSeconds"] == pytest.approx(sum(phases.values()), abs=0.1)
+        # The engine's own measure of vLLM's start, from its shim: the status's phases inside it add up to it.
+        shim = by_name[entry["name"]].shim
+        engine_load = scrape(f"{shim}/metrics", "flashmodel_startup_seconds", {"phase": "engine_load"})
+        inside = sum(v for k, v in phases.items() if k not in ("launcher", "prewarm"))
+        assert inside == pytest.approx(engine_load, abs=0.3), (phases, engine_load)
+    summary = status["startup"]
+    last = next(e for e in status["pods"] if e["name"] == summary["lastPod"])
+    assert summary["lastPodSeconds"] == last["startupSeconds"]
+    assert summary["slowestPhaseSeconds"] == max(last["startupPhases"].values())
+    assert last["startupPhases"][summary["slowestPhase"]] == summary["slowestPhaseSeconds"]
+    # Both starts counted in the operator's histogram (the session's operator may have seen others before).
+    assert operator_metric("flashmodel_operator_pod_startup_seconds_count", {"phase": "total"}) >= 2
 
 
 def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:

@@ -53,6 +53,20 @@ A steady pod's answer rarely changes, so the operator asks the shim to hold the 
 would answer something else (readiness, the engine's generation, prewarm, the divergence
 recommendation) or the wait is over: a fleet's polls come every half minute instead of every few
 seconds, and a change is answered as the shim sees it, not at the next poll."""
+HEALTH_POLL_STARTUP = "startupSeconds"
+"""The health poll answer's start-up of the engine, `{phase: seconds}`: the phases of
+flashmodel_startup_seconds known so far (STARTUP_PHASES), which the operator writes into status.pods.
+Not part of the answer's `state`: the phases are all known before the pod's prewarm ends, and the
+operator's first poll after the prewarm is never held."""
+STARTUP_PHASES = (
+    "launcher", "engine_load", "weights", "model_load", "compile", "graph_capture", "engine_init",
+    "engine_init_other", "prewarm",
+)
+"""The `phase` values of flashmodel_startup_seconds. The shim's: launcher (process start to the shim
+listening: the preflight), engine_load (vLLM's process start to its /health) and prewarm. vLLM's own,
+from its log lines, all inside engine_load: weights (within model_load), compile and graph_capture
+(within engine_init), and engine_init_other (engine_init less those two: memory profiling, the KV
+cache, warm-up)."""
 
 
 def health_poll_state(ready: bool, generation: float, prewarm_succeeded: bool, divergence_recommended: bool) -> str:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from flashmodel_operator.apply import Cluster, transient
 from flashmodel_operator.eviction import decide, remediate
 from flashmodel_operator.model import FlashModelSpec
+from flashmodel_operator.model_status import note_startup
 from flashmodel_operator.pod_context import PodClocks, PodContext
 from flashmodel_operator.pod_state import (
     PodRecord,
@@ -251,6 +252,9 @@ class PodWatch:
                 return 0.5
             divergent = metrics.divergence_recommended
             self.clocks.divergent_since = (self.clocks.divergent_since or now) if divergent else None
+            created = str(pod["metadata"].get("creationTimestamp") or "")
+            if metrics.startup and note_startup(ctx.state, fm, ctx.name, record, dict(metrics.startup), created):
+                await ctx.write_pods_status()
         self.clocks.readyz_failing_since = None if ready else (self.clocks.readyz_failing_since or now)
         health = PodHealth(
             name=ctx.name,

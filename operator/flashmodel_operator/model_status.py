@@ -5,15 +5,28 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from collections.abc import Mapping
 from typing import Any
 
+from prometheus_client import Histogram
+
 from flashmodel_operator.apply import Cluster
-from flashmodel_operator.pod_state import ModelState
+from flashmodel_operator.pod_state import STARTUP_PHASES, ModelState, PodRecord, startup_times
 from flashmodel_operator.reconcile import write_pod_records
 
 log = logging.getLogger(__name__)
 
 HISTORY = 10
+
+POD_STARTUP = Histogram(
+    "flashmodel_operator_pod_startup_seconds",
+    "Engine pod start-ups by phase (status.pods[].startupPhases; phase=total: process start to prewarmed), "
+    "observed once per engine start when its health poll first reports it.",
+    ["phase"],
+    buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200),
+)
+for _phase in (*STARTUP_PHASES, "total"):
+    POD_STARTUP.labels(phase=_phase)
 
 
 def now_iso() -> str:
@@ -38,14 +51,51 @@ def restarts_last_hour(fm: dict[str, Any], now: dt.datetime) -> int:
     return count
 
 
+def note_startup(
+    state: ModelState, fm: Mapping[str, Any], name: str, record: PodRecord, engine: Mapping[str, float], created: str
+) -> bool:
+    """Take a pod's start-up phases from its health poll; True when they are new (status.pods is to be written).
+
+    They change once per engine start, so this writes once per start, not once per poll. The
+    histogram counts each start once: a start the model's status already shows was counted by the
+    operator that wrote it (before a restart of this one). `created`: the pod's creationTimestamp.
+    """
+    times = startup_times(engine)
+    if times is None or times == record.startup:
+        return False
+    record.startup = times
+    if state.latest_startup is None or (created, name) >= state.latest_startup[:2]:
+        state.latest_startup = (created, name, times)
+    shown = any(
+        entry.get("name") == name and entry.get("startupSeconds") == times.seconds
+        for entry in (fm.get("status") or {}).get("pods") or []
+    )
+    if not shown:
+        for phase, seconds in times.phases:
+            POD_STARTUP.labels(phase=phase).observe(seconds)
+        POD_STARTUP.labels(phase="total").observe(times.seconds)
+    return True
+
+
+def startup_summary(state: ModelState) -> dict[str, Any] | None:
+    """status.startup: the newest pod's start-up and its slowest phase; None while no pod reported one."""
+    if state.latest_startup is None:
+        return None
+    _, name, times = state.latest_startup
+    phase, seconds = times.slowest
+    return {"lastPod": name, "lastPodSeconds": times.seconds, "slowestPhase": phase, "slowestPhaseSeconds": seconds}
+
+
 async def write_pods(cluster: Cluster, namespace: str, model: str, state: ModelState) -> None:
-    """status.pods from the watches' records, written (by reconcile's writer) only when they changed."""
+    """status.pods (and status.startup) from the watches' records, written (by reconcile's writer) only when
+    they changed."""
     async with state.lock:
         pods = [record.to_status(name) for name, record in sorted(state.pods.items())]
-        if pods == state.written:
+        startup = startup_summary(state)
+        if (pods, startup) == state.written:
             return
-        state.written = pods
+        state.written = (pods, startup)
     try:
-        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods)
+        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods, startup)
     except Exception as exc:  # the model may be gone; the next change writes again
         log.info("event=pods-status-skipped model=%s/%s error=%s", namespace, model, exc)

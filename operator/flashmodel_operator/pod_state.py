@@ -11,6 +11,52 @@ from flashmodel_operator.conditions import READY
 from flashmodel_operator.remediation import PodHealth
 from flashmodel_operator.render import PREWARM_GATE
 
+STARTUP_PHASES = ("launcher", "engineOther", "weights", "compile", "graphCapture", "kvInit", "prewarm")
+"""status.pods[].startupPhases' keys, in the order a start runs through them; they add up to startupSeconds."""
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """Where one start of a pod's engine spent its time, as status.pods[] shows it."""
+
+    seconds: float
+    """Process start to prewarmed: the sum of the phases."""
+    phases: tuple[tuple[str, float], ...]
+    """(phase, seconds) in STARTUP_PHASES order; a phase the engine did not report is left out."""
+
+    @property
+    def slowest(self) -> tuple[str, float]:
+        return max(self.phases, key=lambda phase: phase[1])
+
+
+def startup_times(engine: Mapping[str, float]) -> StartupTimes | None:
+    """The engine's flashmodel_startup_seconds phases (its health poll's) in the status's terms.
+
+    None until vLLM answered /health (engine_load), before which the start is not over. The
+    engine's phases nest (weights inside model_load, compile and capture inside engine_init, all of
+    those inside engine_load); the status's do not, so they add up: engineOther is what engine_load
+    holds beyond vLLM's timed phases (its imports, the tokenizer, the API server), and weights is
+    vLLM's model load (the weights' read and the model's construction) where it reports one.
+    """
+    load = engine.get("engine_load")
+    if load is None:
+        return None
+    timed: dict[str, float | None] = {
+        "weights": engine.get("model_load", engine.get("weights")),
+        "compile": engine.get("compile"),
+        "graphCapture": engine.get("graph_capture"),
+        "kvInit": engine.get("engine_init_other"),
+    }
+    inside = sum(v for v in timed.values() if v is not None)
+    found: dict[str, float | None] = {
+        "launcher": engine.get("launcher"),
+        "engineOther": max(0.0, load - inside),
+        **timed,
+        "prewarm": engine.get("prewarm"),
+    }
+    phases = tuple((name, round(found[name] or 0.0, 1)) for name in STARTUP_PHASES if found[name] is not None)
+    return StartupTimes(seconds=round(sum(v for _, v in phases), 1), phases=phases)
+
 
 @dataclass
 class PodRecord:
@@ -26,6 +72,8 @@ class PodRecord:
     """Prewarmed, and held out of the Service (gate closed) until it is needed."""
     template: str = ""
     """The pod's config hash: which spec it runs."""
+    startup: StartupTimes | None = None
+    """The engine's last start, by phase, once its health poll reported it."""
 
     @property
     def serving(self) -> bool:
@@ -43,6 +91,9 @@ class PodRecord:
         ):
             if value is not None:
                 out[key] = value
+        if self.startup is not None:
+            out["startupSeconds"] = self.startup.seconds
+            out["startupPhases"] = dict(self.startup.phases)
         return out
 
 
@@ -58,7 +109,10 @@ class ModelState:
     last_hold: str | None = None
     """The reason the model's remediation is held now (RestartBudgetExhausted, BackingOff, ...), if it is."""
     last_hold_message: str = ""
-    written: list[dict[str, Any]] | None = None
+    latest_startup: tuple[str, str, StartupTimes] | None = None
+    """(creationTimestamp, name, start-up) of the newest pod whose start-up was read, gone or not: status.startup."""
+    written: tuple[list[dict[str, Any]], dict[str, Any] | None] | None = None
+    """status.pods and status.startup as last written: a write that changes neither is skipped."""
     control_token: str | None = None
     """The model's `<name>-shim` token, which the shims require on POST /prewarm."""
     template: tuple[tuple[str, int], str] | None = None

@@ -674,10 +674,13 @@ def _reconcile_autoscaler(
     return state
 
 
-def write_pod_records(cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]]) -> None:
-    """status.pods, for the pod watches: under the model's lock, so it never lands inside a pass."""
+def write_pod_records(
+    cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]], startup: dict[str, Any] | None = None
+) -> None:
+    """status.pods (and status.startup, kept as it is when None), for the pod watches: under the model's lock,
+    so it never lands inside a pass."""
     with _locks.hold((namespace, name)):
-        cluster.patch_status(namespace, name, {"pods": pods})
+        cluster.patch_status(namespace, name, {"pods": pods} if startup is None else {"pods": pods, "startup": startup})
 
 
 def record_remediation(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ import aiohttp
 from flashmodel_engine.contract import (
     ENGINE_GENERATION,
     HEALTH_POLL_PATH,
+    HEALTH_POLL_STARTUP,
     LIVENESS_PATH,
     MEMORY_DIVERGENCE_RATIO,
     MEMORY_DIVERGENCE_REASON,
@@ -43,6 +45,8 @@ class ShimReading:
     state: str | None = None
     """The health poll's `state` (what a held poll waits to change from); None from /metrics, or from a
     health poll answer without one, which the operator follows with a poll every monitor_seconds."""
+    startup: tuple[tuple[str, float], ...] = ()
+    """The engine's start-up seconds by phase (HEALTH_POLL_STARTUP), for status.pods; empty from /metrics."""
 
 
 _READ_SERIES = (
@@ -141,8 +145,28 @@ def parse_health_poll(body: bytes) -> tuple[ShimReading, bool]:
         requests_waiting=number("requestsWaiting"),
         prewarm_succeeded=flag("prewarmSucceeded"),
         state=state,
+        startup=startup_phases(doc.get(HEALTH_POLL_STARTUP)),
     )
     return reading, flag("ready")
+
+
+def startup_phases(value: object) -> tuple[tuple[str, float], ...]:
+    """The health poll's start-up phases as (phase, seconds), sorted; what is not a finite number is left out.
+
+    Never an error: the phases only fill in the status, and a poll refused for them would count the
+    pod as failing its health checks.
+    """
+    if not isinstance(value, dict):
+        return ()
+    return tuple(sorted(
+        (phase, float(seconds))
+        for phase, seconds in value.items()
+        if isinstance(phase, str)
+        and isinstance(seconds, (int, float))
+        and not isinstance(seconds, bool)
+        and math.isfinite(seconds)
+        and seconds >= 0
+    ))
 
 
 class ShimHttpError(Exception):

@@ -35,6 +35,39 @@ class Condition(_Status):
     )
 
 
+class StartupPhases(_Status):
+    """Seconds of one engine start by phase; they add up to startupSeconds. A phase not reported is absent."""
+
+    launcher: float | None = Field(
+        default=None, description="Process start to the health shim listening: the preflight's checks."
+    )
+    engine_other: float | None = Field(
+        default=None,
+        description="vLLM's start less the phases it times itself: its imports, the tokenizer, the API server.",
+    )
+    weights: float | None = Field(
+        default=None, description="vLLM's model load: reading the weights and placing the model on the device."
+    )
+    compile: float | None = Field(default=None, description="torch.compile, as vLLM reports it.")
+    graph_capture: float | None = Field(default=None, description="CUDA graph capture (absent in eager mode).")
+    kv_init: float | None = Field(
+        default=None,
+        description="The rest of vLLM's engine initialisation: memory profiling, the KV cache, warm-up runs.",
+    )
+    prewarm: float | None = Field(default=None, description="The warm-up requests before the pod takes traffic.")
+
+
+class StartupSummary(_Status):
+    last_pod: str | None = Field(default=None, description="The newest pod whose start-up is known.")
+    last_pod_seconds: float | None = Field(
+        default=None, description="Its start-up, process start to prewarmed, in seconds."
+    )
+    slowest_phase: str | None = Field(
+        default=None, description="Its longest phase (a key of status.pods[].startupPhases)."
+    )
+    slowest_phase_seconds: float | None = Field(default=None, description="That phase's seconds.")
+
+
 class PodRecord(_Status):
     name: str | None = Field(default=None, description="Pod name.")
     prewarmed: bool | None = Field(
@@ -60,6 +93,13 @@ class PodRecord(_Status):
     )
     last_prewarm_time: str | None = Field(
         default=None, json_schema_extra=_TIME, description="When the last prewarm finished."
+    )
+    startup_seconds: float | None = Field(
+        default=None,
+        description="The engine's last start, process start to prewarmed, in seconds (the sum of startupPhases).",
+    )
+    startup_phases: StartupPhases | None = Field(
+        default=None, description="Where that start's seconds went, as the engine measured them."
     )
 
 
@@ -164,7 +204,10 @@ class FlashModelStatus(_Status):
             "Autoscaling where spec.autoscaling is set, and Routing where spec.routing is."
         ),
     )
-    pods: list[PodRecord] | None = Field(default=None, description="Per-pod prewarm results.")
+    pods: list[PodRecord] | None = Field(default=None, description="Per-pod prewarm results and start-up times.")
+    startup: StartupSummary | None = Field(
+        default=None, description="The newest pod's start-up: its seconds and its slowest phase."
+    )
     remediations: list[Remediation] | None = Field(
         default=None, max_length=60,
         description=(

@@ -607,8 +607,16 @@ def test_status_keeps_the_fields_the_operator_writes(control_plane: ControlPlane
                 "warmTTFTMs": 80.25,
                 "lastPrewarmTime": "2026-01-01T00:00:00Z",
                 "reason": "Prewarmed",
+                "startupSeconds": 88.4,
+                "startupPhases": {
+                    "launcher": 4.6, "engineOther": 35.1, "weights": 3.1, "compile": 14.5, "graphCapture": 23.0,
+                    "kvInit": 6.2, "prewarm": 1.9,
+                },
             }
         ],
+        "startup": {
+            "lastPod": "p-1", "lastPodSeconds": 88.4, "slowestPhase": "engineOther", "slowestPhaseSeconds": 35.1,
+        },
         "remediations": [{"pod": "p-0", "reason": "MemoryDivergence", "message": "m", "divergenceRatio": 0.2}],
     }
     control_plane.kubectl(
