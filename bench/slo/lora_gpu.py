@@ -433,11 +433,11 @@ def markdown(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, rec in res.get("servers", {}).items():
-        peaks = (rec.get("rss") or {}).get("peaks_mib_by_phase", {})
+        peaks: dict[str, dict[str, int]] = (rec.get("rss") or {}).get("peaks_mib_by_phase", {})
         rss = " / ".join(_f((peaks.get(ph) or {}).get("VmRSS")) for ph in ("start", "prewarm", "serving"))
-        top = max(peaks.values(), key=lambda p: p.get("VmRSS", 0), default={})
+        top: dict[str, int] = max(peaks.values(), key=lambda p: p.get("VmRSS", 0), default={})
         split = " / ".join(_f(top.get(k)) for k in ("RssAnon", "RssFile", "RssShmem"))
-        pss = max(peaks.values(), key=lambda p: p.get("Pss", 0), default={})
+        pss: dict[str, int] = max(peaks.values(), key=lambda p: p.get("Pss", 0), default={})
         split += f" | {_f(pss.get('Pss'))} ({_f(pss.get('Pss_Anon'))} / {_f(pss.get('Pss_File'))})"
         lines.append(
             f"| {name} | {_f(rec.get('health_s'))} | {_f(rec.get('prewarm_s'))} "
