@@ -7,6 +7,7 @@ import datetime as dt
 import logging
 from typing import Any
 
+from flashmodel_operator.adapters import summary
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.pod_state import ModelState
 from flashmodel_operator.reconcile import write_pod_records
@@ -42,10 +43,13 @@ async def write_pods(cluster: Cluster, namespace: str, model: str, state: ModelS
     """status.pods from the watches' records, written (by reconcile's writer) only when they changed."""
     async with state.lock:
         pods = [record.to_status(name) for name, record in sorted(state.pods.items())]
-        if pods == state.written:
+        # status.adapters comes from the same records (adapters.summary); None clears it once LoRA is off.
+        adapters = summary(state.adapters, state.pods) if state.adapters is not None else None
+        if pods == state.written and adapters == state.written_adapters:
             return
-        state.written = pods
+        extra = {"adapters": adapters} if adapters is not None or state.written_adapters is not None else {}
+        state.written, state.written_adapters = pods, adapters
     try:
-        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods)
+        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods, extra)
     except Exception as exc:  # the model may be gone; the next change writes again
         log.info("event=pods-status-skipped model=%s/%s error=%s", namespace, model, exc)
