@@ -14,17 +14,15 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
-from flashmodel_operator.model import FlashModel
+from flashmodel_operator.model import FlashModel, FlashModelSpec
+from flashmodel_operator.pod_context import PodContext
 from flashmodel_operator.pod_state import MODELS, AdapterOnPod, DesiredAdapters, ModelState, PodRecord
 from flashmodel_operator.render import adapter_path, content_hash
 from flashmodel_operator.shim_client import AdaptersAnswer, ShimClient
-
-if TYPE_CHECKING:  # pod_context -> model_status -> adapters.summary: the status writer reads this module
-    from flashmodel_operator.pod_context import PodContext
 
 log = logging.getLogger(__name__)
 
@@ -64,68 +62,35 @@ def desired(fm: FlashModel) -> DesiredAdapters:
     )
 
 
-def desired_of(state: ModelState, fm: Mapping[str, Any]) -> DesiredAdapters | None:
-    """The model's desired set, kept in its state once per generation (None for a spec the operator refuses)."""
+def desired_of(state: ModelState, fm: Mapping[str, Any], spec: FlashModelSpec) -> DesiredAdapters | None:
+    """The desired set of the model `fm` with its validated `spec`, kept in its state once per generation.
+
+    None for a spec the operator refuses (the reconcile reports it).
+    """
     meta = fm.get("metadata") or {}
     key = (str(meta.get("uid", "")), int(meta.get("generation", 0)))
     if state.adapters is None or state.adapters.key != key:
+        if not spec.lora_on:
+            state.adapters = DesiredAdapters(key=key, on=False, entries=(), set_hash="", entry_hashes={})
+            return state.adapters
         try:
-            state.adapters = desired(FlashModel.from_body(dict(fm)))
-        except ValueError:  # pydantic's ValidationError too: the reconcile reports the spec
+            model = FlashModel(
+                name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=key[0],
+                generation=key[1], spec=spec,
+            )
+            state.adapters = desired(model)
+        except ValueError:  # pydantic's ValidationError too
             return None
     return state.adapters
 
 
-def summary(wanted: DesiredAdapters, pods: Mapping[str, PodRecord]) -> list[dict[str, Any]] | None:
-    """status.adapters: per adapter, on how many serving and standby pods it is loaded, and why not.
-
-    None when LoRA is off (the key is cleared). A pod counts once it is prewarmed, serving or standby;
-    an adapter counts as loaded on it only as the spec has it now (its entry's hash), so a changed
-    source is not reported loaded from the old one.
-    """
-    if not wanted.on:
-        return None
-    counted = sorted((name, r) for name, r in pods.items() if r.prewarmed)
-    out = []
-    for item in wanted.entries:
-        name, want = item["name"], wanted.entry_hashes[item["name"]]
-        on_pods = [(pod, r.adapters.get(name)) for pod, r in counted]
-        loaded = sum(1 for _, seen in on_pods if seen is not None and seen.entry == want and seen.loaded)
-        row: dict[str, Any] = {"name": name, "loadedPods": loaded, "pods": len(counted)}
-        failed = next(
-            (f"{pod}: {seen.reason or 'failed'}" for pod, seen in on_pods
-             if seen is not None and seen.entry == want and not seen.loaded),
-            None,
-        )
-        if failed is not None:
-            row["reason"] = failed[:1024]
-        out.append(row)
-    return out
-
-
-def condition(spec_on: bool, adapters: list[dict[str, Any]] | None, names: list[str]) -> tuple[bool, str, str] | None:
-    """(status, reason, message) of the AdaptersReady condition from status.adapters; None when LoRA is off."""
-    if not spec_on:
-        return None
-    if not names:
-        return True, "NoAdapters", "LoRA is on and spec.adapters is empty"
-    rows = {r.get("name"): r for r in adapters or [] if isinstance(r, dict)}
-    nowhere = [f"{n} ({rows[n].get('reason')})" for n in names
-               if n in rows and rows[n].get("reason") and not rows[n].get("loadedPods")]
-    if nowhere:
-        return False, "AdapterFailed", "loaded on no pod: " + "; ".join(nowhere)
-    partly = [f"{n} ({rows[n].get('reason')})" for n in names if n in rows and rows[n].get("reason")]
-    if partly:
-        return False, "AdapterFailedOnSomePods", "failed on some pods: " + "; ".join(partly)
-    waiting = [n for n in names if n not in rows or not rows[n].get("pods")
-               or rows[n].get("loadedPods", 0) < rows[n].get("pods", 0)]
-    if waiting:
-        return False, "AdaptersLoading", "not yet loaded on every pod: " + ", ".join(waiting)
-    return True, "AdaptersLoaded", f"{len(names)} adapters loaded on every serving and standby pod"
-
-
 async def sync(
-    ctx: PodContext, pod: dict[str, Any], fm: Mapping[str, Any], shim: ShimClient, before_prewarm: bool
+    ctx: PodContext,
+    pod: dict[str, Any],
+    fm: Mapping[str, Any],
+    spec: FlashModelSpec,
+    shim: ShimClient,
+    before_prewarm: bool,
 ) -> float | None:
     """Give the pod's shim the spec's adapter set where it has not answered for it yet.
 
@@ -133,7 +98,7 @@ async def sync(
     must not hold up its health poll). A number: seconds before the pod's prewarm may be tried, while a
     new pod's PUT has had no answer (a failed adapter is an answer: the base model serves).
     """
-    wanted = desired_of(ctx.state, fm)
+    wanted = desired_of(ctx.state, fm, spec)
     if wanted is None or not wanted.on:
         return None
     record = ctx.state.pods.setdefault(ctx.name, PodRecord())
@@ -253,5 +218,4 @@ async def unless_woken(state: ModelState, call: Awaitable[T]) -> tuple[bool, T |
     return True, task.result()
 
 
-__all__ = ["AdaptersAnswer", "condition", "desired", "desired_of", "forget_pod_set", "model_event", "summary", "sync",
-           "unless_woken"]
+__all__ = ["AdaptersAnswer", "desired", "desired_of", "forget_pod_set", "model_event", "sync", "unless_woken"]

@@ -189,7 +189,7 @@ class PodWatch:
         if gate_is_standby(pod) and ctx.state.in_flight != ctx.name:
             # Prewarmed and held out of the Service: watched like a serving pod, and promoted when needed.
             ctx.state.pods.setdefault(ctx.name, PodRecord(prewarmed=True, standby=True))
-            await adapters.sync(ctx, pod, fm, shim, before_prewarm=False)
+            await adapters.sync(ctx, pod, fm, spec, shim, before_prewarm=False)
             delay = await self.watch_health(pod, fm, spec, shim)
             record = ctx.state.pods.get(ctx.name)
             if delay is not None and record is not None and await serve_if_needed(ctx, fm, spec, record):
@@ -200,7 +200,7 @@ class PodWatch:
         if ctx.state.pods.get(ctx.name) is not None:
             # A serving pod gets a changed adapter set without a restart (a pod the operator has no record of
             # yet, after its restart, gets one from watch_health first).
-            await adapters.sync(ctx, pod, fm, shim, before_prewarm=False)
+            await adapters.sync(ctx, pod, fm, spec, shim, before_prewarm=False)
         delay = await self.watch_health(pod, fm, spec, shim)
         record = ctx.state.pods.get(ctx.name)
         if delay is not None and record is not None and await stand_by_if_surplus(ctx, fm, spec, record):

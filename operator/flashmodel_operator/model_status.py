@@ -7,7 +7,7 @@ import datetime as dt
 import logging
 from typing import Any
 
-from flashmodel_operator.adapters import summary
+from flashmodel_operator.adapter_status import summary
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.pod_state import ModelState
 from flashmodel_operator.reconcile import write_pod_records

@@ -43,7 +43,7 @@ async def prewarm(
     if not await shim.started():
         return 2.0  # still loading; the startup probe owns the deadline
     # The adapters first: the prewarm covers them, and the gate must not open on a pod without the set.
-    wait = await adapters.sync(ctx, pod, fm, shim, before_prewarm=True)
+    wait = await adapters.sync(ctx, pod, fm, spec, shim, before_prewarm=True)
     if wait is not None:
         return wait
     record = ctx.state.pods.setdefault(ctx.name, PodRecord())

@@ -18,7 +18,7 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
-from flashmodel_operator.adapters import condition as adapter_condition
+from flashmodel_operator.adapter_status import condition as adapter_condition
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.child_cache import ChildCache, PassReads
