@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
+from flashmodel_engine.contract import ADAPTERS_PATH
 from prometheus_client import Counter
 
 from flashmodel_operator.model import FlashModel, FlashModelSpec
@@ -124,7 +125,7 @@ async def sync(
         # The shim refused the set, or its engine image has no /adapters: asking again gets the same.
         ADAPTER_PUTS.labels(result="refused").inc()
         why = answer.error if answer.status == 400 else (
-            f"the engine image's shim has no PUT {'/adapters'} (HTTP {answer.status}); use an engine image with LoRA"
+            f"the engine image's shim has no PUT {ADAPTERS_PATH} (HTTP {answer.status}); use an engine image with LoRA"
         )
         states = {e["name"]: AdapterOnPod(wanted.entry_hashes[e["name"]], False, why) for e in wanted.entries}
         await _answered(ctx, pod, record, wanted, states)
@@ -186,13 +187,14 @@ def spec_key(body: Mapping[str, Any]) -> str:
 def model_event(namespace: str, name: str, body: Mapping[str, Any]) -> None:
     """A FlashModel watch event: where its adapter set changed, wake its pods' held health polls.
 
-    Only a model whose pods are watched has a state to wake; the first event of a model sets its key.
+    Only a model whose pods are watched has a state to wake. The first event a state sees wakes its
+    polls too: the change may have come before it (one early poll, once per model and operator start).
     """
     state = MODELS.get((namespace, name))
     if state is None:
         return
     key = spec_key(body)
-    if state.adapter_seen is not None and state.adapter_seen != key:
+    if state.adapter_seen != key:
         for waker in list(state.wakers):
             waker.set()
     state.adapter_seen = key
