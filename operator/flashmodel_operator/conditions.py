@@ -1,4 +1,4 @@
-"""Status conditions (Ready, Available, Progressing, Degraded, Autoscaling, Routing), a pure function of what was seen.
+"""Status conditions (Ready, Available, Progressing, Degraded, Autoscaling, Routing, AdaptersReady), from what was seen.
 
 Ready: every desired pod serves (ready and prewarmed as the operator saw it), no roll-out under way.
 Available: at least one pod serves, the way a Deployment reports it: a scale-up or a roll-out turns
@@ -16,6 +16,7 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 AUTOSCALING = "Autoscaling"
 ROUTING = "Routing"
+ADAPTERS_READY = "AdaptersReady"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Observation:
     """(active, reason, message) of the model's autoscaler; None without spec.autoscaling."""
     routing: tuple[bool, str, str] | None = None
     """(active, reason, message) of the model's InferencePool and endpoint picker; None without spec.routing."""
+    adapters: tuple[bool, str, str] | None = None
+    """(loaded everywhere, reason, message) of the model's LoRA adapters; None with LoRA off."""
     remediation_held: Problem | None = None
     """A pod needs replacing and the operator will not act (its restart budget is spent): Degraded says so,
     while Ready and Available still count the pods that serve."""
@@ -126,6 +129,10 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
     if obs.routing is not None:
         active, reason, message = obs.routing
         conditions.append(_condition(ROUTING, active, reason, message, gen, before, now))
+    if obs.adapters is not None:
+        # Not part of Ready: a failed adapter leaves the base model (and the other adapters) serving.
+        loaded, reason, message = obs.adapters
+        conditions.append(_condition(ADAPTERS_READY, loaded, reason, message, gen, before, now))
     return conditions
 
 

@@ -13,6 +13,7 @@ import aiohttp
 from flashmodel_engine.contract import SHIM_PORT
 from pydantic import ValidationError
 
+from flashmodel_operator import adapters
 from flashmodel_operator.apply import Cluster, transient
 from flashmodel_operator.eviction import decide, remediate
 from flashmodel_operator.model import FlashModelSpec
@@ -189,6 +190,7 @@ class PodWatch:
         if gate_is_standby(pod) and ctx.state.in_flight != ctx.name:
             # Prewarmed and held out of the Service: watched like a serving pod, and promoted when needed.
             ctx.state.pods.setdefault(ctx.name, PodRecord(prewarmed=True, standby=True))
+            await adapters.sync(ctx, pod, fm, spec, shim, before_prewarm=False)
             delay = await self.watch_health(pod, fm, spec, shim)
             record = ctx.state.pods.get(ctx.name)
             if delay is not None and record is not None and await serve_if_needed(ctx, fm, spec, record):
@@ -196,6 +198,10 @@ class PodWatch:
             return delay
         if not gate_is_true(pod):
             return await prewarm(ctx, self.clocks, pod, fm, spec, shim)
+        if ctx.state.pods.get(ctx.name) is not None:
+            # A serving pod gets a changed adapter set without a restart (a pod the operator has no record of
+            # yet, after its restart, gets one from watch_health first).
+            await adapters.sync(ctx, pod, fm, spec, shim, before_prewarm=False)
         delay = await self.watch_health(pod, fm, spec, shim)
         record = ctx.state.pods.get(ctx.name)
         if delay is not None and record is not None and await stand_by_if_surplus(ctx, fm, spec, record):
@@ -236,7 +242,16 @@ class PodWatch:
         held, self.held_state = self.held_state, None
         wait = current().health_poll_wait_seconds * random.uniform(1 - POLL_JITTER, 1 + POLL_JITTER) if held else 0.0
         asked = time.monotonic()
-        metrics, ready = await shim.poll(spec.health.readiness_deadline_seconds + 2, wait=wait, unless=held)
+        poll = shim.poll(spec.health.readiness_deadline_seconds + 2, wait=wait, unless=held)
+        if wait > 0:
+            # A held poll may wait half a minute: a changed adapter set ends it, so the next step PUTs it now.
+            answered, result = await adapters.unless_woken(ctx.state, poll)
+            if result is None or not answered:
+                self.held_state = held
+                return 0.0
+            metrics, ready = result
+        else:
+            metrics, ready = await poll
         live = True if ready else await shim.live()
         # After the poll, which a held one makes up to half a minute long: a fault's clock starts
         # when the answer shows it, or its threshold would be counted from before the fault.
@@ -300,6 +315,7 @@ class PodWatch:
         await ctx.set_gate(False, "EngineRestarted", msg)
         await ctx.api(ctx.cluster.event, pod, "Warning", "EngineRestarted", msg + "; prewarming again")
         ctx.state.pods[ctx.name].prewarmed = False
+        adapters.forget_pod_set(ctx.state.pods[ctx.name])
         await ctx.write_pods_status()
 
 

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
-from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, heap, pod_state
+from flashmodel_operator import FIELD_MANAGER, GROUP, PLURAL, VERSION, adapters, heap, pod_state
 from flashmodel_operator.apply import Cluster, namespace_terminating, transient
 from flashmodel_operator.child_cache import ChildCache
 from flashmodel_operator.diffbase import HandledSpecs, UnmarkedProgressStorage
@@ -320,6 +320,8 @@ async def remember_flashmodel(body: kopf.Body, namespace: str | None, name: str,
     if namespace is None:
         return
     FLASHMODELS.event(type, body)
+    # A changed adapter set ends the model's held health polls, so its pods get it within seconds.
+    adapters.model_event(namespace, name, body)
     if type == "DELETED":
         forget_deleted_model(namespace, name, body.metadata.uid or "")
 

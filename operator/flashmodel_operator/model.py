@@ -9,6 +9,7 @@ the rules that restate the engine's profile, quantization and flag tables come f
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from flashmodel_engine.config import (
@@ -647,6 +648,256 @@ class RoutingSpec(_Spec):
     )
 
 
+# ---- LoRA adapters ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    """What one accelerator allows of LoRA: how many adapters one pod holds, and their largest rank."""
+
+    max_loras: int
+    """The ceiling of spec.lora.maxLoras: each adapter slot takes card memory for its rank's weights."""
+    max_rank: int
+    """The ceiling of spec.lora.maxRank."""
+    default_loras: int
+    default_rank: int
+
+
+# engine profiles.py holds the same limits after merge
+LORA_LIMITS: dict[str, LoraLimits] = {
+    # A 12 MB rank-16 adapter of a 1.5B model; vLLM reserves max_loras x max_rank slots on the card, so the
+    # T4's 16 GB bounds both (the memory plan counts them).
+    "t4": LoraLimits(max_loras=8, max_rank=64, default_loras=4, default_rank=16),
+    "cpu": LoraLimits(max_loras=8, max_rank=64, default_loras=4, default_rank=16),
+}
+LORA_RANKS = (8, 16, 32, 64)
+"""vLLM's --max-lora-rank values (its MaxLoRARanks) up to the largest any profile allows."""
+ADAPTER_NAME = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""A DNS-1123 label: the name clients send as the OpenAI `model`, and a metric label."""
+
+_ADAPTER_INSIDE = Rule(
+    _NO_PARENT_SEGMENT,
+    "an adapter's path must not have a '..' segment: the adapter must stay inside its source; name the "
+    "adapter's directory from the source's root, e.g. adapters/support-v3",
+)
+
+
+def _adapter_inside(path: str, field: str) -> str:
+    if ".." in path.split("/"):
+        raise ValueError(f"{field} {path!r} has a '..' segment: the adapter must stay inside its source; "
+                         "name its directory from the source's root")
+    return path
+
+
+class AdapterPVCSource(_Spec):
+    """An adapter directory (adapter_config.json, adapter_model.safetensors) on a PersistentVolumeClaim."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {"path": (_ADAPTER_INSIDE,)}
+
+    claim_name: ObjectName = Field(
+        description=(
+            "Name of the PersistentVolumeClaim in the FlashModel's namespace, mounted read-only. Adapters "
+            "from one claim share its volume: adding another adapter from a claim already mounted restarts "
+            "no pod; a new claim does (Kubernetes cannot add a volume to a running pod)."
+        ),
+    )
+    path: PathText = Field(
+        default="",
+        description="Directory of the adapter inside the claim; empty means the claim's root. No '..' segments.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _path_inside(cls, path: str) -> str:
+        return _adapter_inside(path, "spec.adapters[].pvc.path")
+
+
+class AdapterImageSource(_Spec):
+    """An adapter packaged in an OCI image, mounted read-only as an image volume."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {"path": (_ADAPTER_INSIDE,)}
+
+    reference: Annotated[str, Field(min_length=1, max_length=1024)] = Field(
+        description=(
+            "Image reference, e.g. registry.example.com/adapters/support:2026-w49. Adapters from one image "
+            "share its volume; a new image restarts the pods once (a new volume), as the model's image does."
+        ),
+    )
+    path: PathText = Field(
+        default="/",
+        description="Directory of the adapter inside the image. No '..' segments.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _path_inside(cls, path: str) -> str:
+        return _adapter_inside(path, "spec.adapters[].image.path")
+
+
+class AdapterHubSource(_Spec):
+    """An adapter the engine downloads from the hub at a pinned commit."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "id": (Rule(_NO_PARENT_SEGMENT, "an adapter's hub id must not have a '..' segment; write org/name"),),
+        "revision": (
+            Rule(
+                f"self.matches('{PINNED_REVISION}')",
+                "an adapter's hub revision must be a full 40-hex commit id: a branch or tag could load different "
+                "weights on each pod; set revision to the commit (the hub's commit history lists it)",
+            ),
+        ),
+    }
+
+    id: ModelName = Field(description="Hub id of the adapter, e.g. acme/qwen-support-lora.")
+    revision: Annotated[str, Field(max_length=64)] = Field(
+        description=(
+            "The adapter's commit on the hub, in full (40 hex digits): every pod loads exactly these weights. "
+            "A gated or private adapter uses the model's spec.model.hub.tokenSecretRef, where it has one."
+        ),
+    )
+
+    @field_validator("id")
+    @classmethod
+    def _id_inside(cls, adapter_id: str) -> str:
+        return _adapter_inside(adapter_id, "spec.adapters[].hub.id")
+
+    @field_validator("revision")
+    @classmethod
+    def _pinned(cls, revision: str) -> str:
+        if not re.match(PINNED_REVISION, revision):
+            raise ValueError(f"spec.adapters[].hub.revision {revision!r} is not a full 40-hex commit id; pin it "
+                             "to the adapter's commit so every pod loads the same weights")
+        return revision
+
+
+class AdapterSpec(_Spec):
+    """One LoRA adapter on the base model: clients ask for it by name in the OpenAI `model` field."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "(has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) + (has(self.hub) ? 1 : 0) == 1",
+            "each adapter needs exactly one source: set one of pvc, image or hub",
+        ),
+    )
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "name": (
+            Rule(
+                f"self.matches('{ADAPTER_NAME}')",
+                "an adapter's name is lower-case letters, digits and '-', starting and ending with a letter or "
+                "digit (a DNS-1123 label, e.g. support-v3): clients send it as the OpenAI model",
+            ),
+        ),
+    }
+
+    name: Annotated[str, Field(min_length=1, max_length=63)] = Field(
+        description=(
+            "The name clients send as \"model\" to use this adapter; unique among the adapters and not the "
+            "model's served name. A DNS-1123 label."
+        ),
+    )
+    pvc: AdapterPVCSource | None = Field(
+        default=None, description="An adapter directory on a PersistentVolumeClaim, mounted read-only."
+    )
+    image: AdapterImageSource | None = Field(
+        default=None, description="An adapter in an OCI image, mounted read-only as an image volume."
+    )
+    hub: AdapterHubSource | None = Field(
+        default=None, description="An adapter the engine downloads from the hub at a pinned commit."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, name: str) -> str:
+        if not re.match(ADAPTER_NAME, name):
+            raise ValueError(f"adapter name {name!r} must be a DNS-1123 label (lower-case letters, digits, '-'), "
+                             "e.g. support-v3")
+        return name
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AdapterSpec:
+        count = sum(s is not None for s in (self.pvc, self.image, self.hub))
+        if count != 1:
+            raise ValueError(f"adapter {self.name!r} needs exactly one of pvc, image, hub; got {count}")
+        return self
+
+
+class LoraSpec(_Spec):
+    """How many LoRA adapters one pod holds and their largest rank; absent fields take the profile's."""
+
+    field_rules: ClassVar[dict[str, tuple[Rule, ...]]] = {
+        "max_rank": (
+            Rule(
+                f"self in [{', '.join(str(r) for r in LORA_RANKS)}]",
+                f"maxRank must be one of vLLM's LoRA ranks {', '.join(str(r) for r in LORA_RANKS)}: set the "
+                "smallest one at least as large as your adapters' rank (adapter_config.json's r)",
+            ),
+        ),
+    }
+
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        json_schema_extra={"format": "int32"},
+        description=(
+            "How many adapters one pod holds (vLLM's --max-loras); spec.adapters may list at most this many. "
+            "Absent: the profile's default (t4 and cpu: 4); at most the profile's ceiling (t4 and cpu: 8)."
+        ),
+    )
+    max_rank: int | None = Field(
+        default=None,
+        ge=1,
+        json_schema_extra={"format": "int32"},
+        description=(
+            "The largest adapter rank a pod accepts (vLLM's --max-lora-rank), one of 8, 16, 32, 64. Absent: "
+            "the profile's default (16); at most the profile's ceiling (64). An adapter of a larger rank is "
+            "refused when it loads (status.adapters says so); the base model serves on."
+        ),
+    )
+
+
+def _lora_rules() -> tuple[Rule, ...]:
+    """Per accelerator: spec.lora within the profile's ceilings, and no more adapters than maxLoras."""
+    rules: list[Rule] = []
+    for name, limits in LORA_LIMITS.items():
+        rules += [
+            Rule(
+                f"self.accelerator != '{name}' || !has(self.lora) || !has(self.lora.maxLoras) || "
+                f"self.lora.maxLoras <= {limits.max_loras}",
+                f"lora.maxLoras must be at most {limits.max_loras} on {name}: each adapter slot takes card memory; "
+                f"lower spec.lora.maxLoras",
+                field_path=".lora.maxLoras",
+                reason="FieldValueInvalid",
+            ),
+            Rule(
+                f"self.accelerator != '{name}' || !has(self.lora) || !has(self.lora.maxRank) || "
+                f"self.lora.maxRank <= {limits.max_rank}",
+                f"lora.maxRank must be at most {limits.max_rank} on {name}: the slots of a larger rank do not fit "
+                f"the card's memory plan; lower spec.lora.maxRank (and train the adapters with a smaller r)",
+                field_path=".lora.maxRank",
+                reason="FieldValueInvalid",
+            ),
+            Rule(
+                f"self.accelerator != '{name}' || !has(self.adapters) || size(self.adapters) <= "
+                f"(has(self.lora) && has(self.lora.maxLoras) ? self.lora.maxLoras : {limits.default_loras})",
+                f"spec.adapters lists more adapters than a pod holds (spec.lora.maxLoras, {limits.default_loras} by "
+                f"default on {name}, at most {limits.max_loras}): raise spec.lora.maxLoras or remove adapters",
+                field_path=".adapters",
+                reason="FieldValueInvalid",
+            ),
+        ]
+    rules.append(
+        Rule(
+            "!has(self.adapters) || !has(self.model.servedName) || "
+            "!self.adapters.exists(a, a.name == self.model.servedName)",
+            "an adapter must not be named like spec.model.servedName: clients choose the base model or an "
+            "adapter by that name; rename the adapter",
+            field_path=".adapters",
+            reason="FieldValueInvalid",
+        )
+    )
+    return tuple(rules)
+
+
 class FlashModelSpec(_Spec):
     """What the user asks for."""
 
@@ -667,6 +918,8 @@ class FlashModelSpec(_Spec):
         # What each accelerator profile and the quantization table limit, generated from them
         # (flashmodel_operator.spec_rules).
         *accelerator_rules(),
+        # LoRA: the profile's ceilings, and no more adapters than a pod holds.
+        *_lora_rules(),
     )
 
     model: ModelSpec = Field(
@@ -755,6 +1008,26 @@ class FlashModelSpec(_Spec):
             "queue, KV-cache use and prefix cache; with gateway, an HTTPRoute. Absent: the Service only."
         ),
     )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description=(
+            "LoRA adapters served on the base model, each asked for by its name in the OpenAI `model` field. "
+            "The operator loads the set on every pod (serving and standby) while it runs: adding, changing or "
+            "removing an adapter restarts no pod, and a new pod gets the set before its prewarm. Adapters from "
+            "a claim or image not mounted yet restart the pods once (a new volume). The first adapter (or "
+            "spec.lora) turns LoRA on and removing the last one turns it off: each of those restarts the pods "
+            "once (vLLM takes --enable-lora at start). status.adapters says where each is loaded."
+        ),
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description=(
+            "LoRA slots per pod (maxLoras, maxRank); absent fields take the profile's. Setting it turns LoRA "
+            "on even without adapters, so the first adapter added later restarts no pod."
+        ),
+    )
     # Core Kubernetes types pass through untouched: the API server already validated them.
     resources: dict[str, Any] = Field(
         default_factory=dict,
@@ -796,6 +1069,45 @@ class FlashModelSpec(_Spec):
     )
 
 
+    @property
+    def lora_on(self) -> bool:
+        """vLLM runs with --enable-lora: the spec lists adapters or sets spec.lora."""
+        return bool(self.adapters) or self.lora is not None
+
+    def lora_limits(self) -> tuple[int, int]:
+        """(max loras, max rank) of the pods: spec.lora's, else the profile's defaults."""
+        limits = LORA_LIMITS[self.accelerator]
+        lora = self.lora or LoraSpec()
+        return (
+            lora.max_loras if lora.max_loras is not None else limits.default_loras,
+            lora.max_rank if lora.max_rank is not None else limits.default_rank,
+        )
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> FlashModelSpec:
+        # The CRD's rules (_lora_rules), again for objects stored before the CRD had them.
+        limits = LORA_LIMITS[self.accelerator]
+        lora = self.lora or LoraSpec()
+        if lora.max_loras is not None and lora.max_loras > limits.max_loras:
+            raise ValueError(f"spec.lora.maxLoras is {lora.max_loras}; {self.accelerator} holds at most "
+                             f"{limits.max_loras}; lower it")
+        if lora.max_rank is not None and (lora.max_rank > limits.max_rank or lora.max_rank not in LORA_RANKS):
+            raise ValueError(f"spec.lora.maxRank is {lora.max_rank}; use one of "
+                             f"{', '.join(str(r) for r in LORA_RANKS if r <= limits.max_rank)} on {self.accelerator}")
+        max_loras, _ = self.lora_limits()
+        if len(self.adapters) > max_loras:
+            raise ValueError(f"spec.adapters lists {len(self.adapters)} adapters and a pod holds {max_loras} "
+                             f"(spec.lora.maxLoras, at most {limits.max_loras} on {self.accelerator}); raise "
+                             "spec.lora.maxLoras or remove adapters")
+        names = [a.name for a in self.adapters]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"spec.adapters names {', '.join(twice)} more than once; give each adapter its own name")
+        if self.model.served_name is not None and self.model.served_name in names:
+            raise ValueError(f"adapter {self.model.served_name!r} has the model's served name; rename the adapter")
+        return self
+
+
 class FlashModel(BaseModel):
     """The parts of a FlashModel object the operator needs: identity and spec."""
 
@@ -810,6 +1122,14 @@ class FlashModel(BaseModel):
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.name
+
+    @model_validator(mode="after")
+    def _adapter_not_served_name(self) -> FlashModel:
+        # The CRD can compare against spec.model.servedName only; the default served name is metadata.name.
+        if any(a.name == self.served_name for a in self.spec.adapters):
+            raise ValueError(f"adapter {self.served_name!r} has the model's served name (metadata.name, as "
+                             "spec.model.servedName is unset); clients could not tell them apart; rename the adapter")
+        return self
 
     @classmethod
     def from_body(cls, body: dict[str, Any] | Any) -> FlashModel:

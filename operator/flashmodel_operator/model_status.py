@@ -10,6 +10,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from flashmodel_operator.adapter_status import summary
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.pod_state import STARTUP_PHASES, ModelState, PodRecord, startup_times
 from flashmodel_operator.reconcile import write_pod_records
@@ -92,10 +93,17 @@ async def write_pods(cluster: Cluster, namespace: str, model: str, state: ModelS
     async with state.lock:
         pods = [record.to_status(name) for name, record in sorted(state.pods.items())]
         startup = startup_summary(state)
-        if (pods, startup) == state.written:
+        # status.adapters comes from the same records (adapters.summary); None clears it once LoRA is off.
+        adapters = summary(state.adapters, state.pods) if state.adapters is not None else None
+        if (pods, startup) == state.written and adapters == state.written_adapters:
             return
-        state.written = (pods, startup)
+        extra: dict[str, Any] = {}
+        if adapters is not None or state.written_adapters is not None:
+            extra["adapters"] = adapters
+        if startup is not None:
+            extra["startup"] = startup
+        state.written, state.written_adapters = (pods, startup), adapters
     try:
-        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods, startup)
+        await asyncio.to_thread(write_pod_records, cluster, namespace, model, pods, extra)
     except Exception as exc:  # the model may be gone; the next change writes again
         log.info("event=pods-status-skipped model=%s/%s error=%s", namespace, model, exc)

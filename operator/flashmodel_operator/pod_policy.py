@@ -162,7 +162,7 @@ def _extra_env_problem(entry: dict[str, Any]) -> str | None:
 # the kernel's file systems: an extra mount at, under or above any of them could replace what it reads.
 RESERVED_MOUNT_PATHS = (
     "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/proc", "/root",
-    "/run", "/sbin", "/sys", "/tmp", "/usr", "/var", "/models", "/model-image", "/cache",
+    "/run", "/sbin", "/sys", "/tmp", "/usr", "/var", "/models", "/model-image", "/cache", "/adapters",
 )
 _MOUNT_KEYS = frozenset({"name", "mountPath", "readOnly", "subPath", "recursiveReadOnly", "mountPropagation"})
 # The volume types a patch may add: the namespace's own objects and the pod's own scratch space.

@@ -58,6 +58,30 @@ def startup_times(engine: Mapping[str, float]) -> StartupTimes | None:
     return StartupTimes(seconds=round(sum(v for _, v in phases), 1), phases=phases)
 
 
+@dataclass(frozen=True)
+class DesiredAdapters:
+    """The adapter set a model's spec asks for, as the shim's PUT body carries it (flashmodel_operator.adapters)."""
+
+    key: tuple[str, int]
+    """(uid, generation) of the spec it comes from."""
+    on: bool
+    """LoRA is on (spec.adapters or spec.lora): without it the pods have no /adapters to PUT to."""
+    entries: tuple[dict[str, str], ...]
+    set_hash: str
+    entry_hashes: dict[str, str]
+    """By adapter name, the hash of its entry: what AdapterOnPod.entry is compared with."""
+
+
+@dataclass(frozen=True)
+class AdapterOnPod:
+    """One adapter as one pod's shim last answered for it."""
+
+    entry: str
+    """The hash of the adapter's entry in the PUT (its source): a changed adapter must be loaded again."""
+    loaded: bool
+    reason: str | None = None
+
+
 @dataclass
 class PodRecord:
     """status.pods[] of one pod: what its prewarm did."""
@@ -74,6 +98,15 @@ class PodRecord:
     """The pod's config hash: which spec it runs."""
     startup: StartupTimes | None = None
     """The engine's last start, by phase, once its health poll reported it."""
+    adapter_set: str = ""
+    """The hash of the adapter set the pod's shim last answered a PUT for ("" before the first, and after
+    its engine restarted): the pod has the spec's set when this is the model's current one."""
+    adapters: dict[str, AdapterOnPod] = field(default_factory=dict)
+    """What the pod's shim answered for each adapter, by name."""
+    adapter_failures: int = 0
+    """PUTs in a row that got no answer (the shim unreachable, a timeout, a 5xx)."""
+    adapter_retry_at: float = 0.0
+    """time.monotonic() before which the next PUT waits (a back-off after a failed one)."""
 
     @property
     def serving(self) -> bool:
@@ -113,15 +146,24 @@ class ModelState:
     """(creationTimestamp, name, start-up) of the newest pod whose start-up was read, gone or not: status.startup."""
     written: tuple[list[dict[str, Any]], dict[str, Any] | None] | None = None
     """status.pods and status.startup as last written: a write that changes neither is skipped."""
+    written_adapters: list[dict[str, Any]] | None = None
+    """status.adapters as last written (None: never, or cleared)."""
     control_token: str | None = None
     """The model's `<name>-shim` token, which the shims require on POST /prewarm."""
     template: tuple[tuple[str, int], str] | None = None
     """((uid, generation), config hash) of the pods the model's spec renders now: a poll must not render it."""
+    adapters: DesiredAdapters | None = None
+    """The model's desired adapter set, computed once per generation."""
+    adapter_seen: str | None = None
+    """The spec's adapters and lora as the model's watch last delivered them: a change wakes held polls."""
+    wakers: set[asyncio.Event] = field(default_factory=set)
+    """The held health polls of the model's pods, each woken when the adapter set changes."""
 
     @property
     def idle(self) -> bool:
         """No pod watch holds anything here: nothing is lost when a deleted model's entry goes."""
-        return not self.pods and not self.health and self.in_flight is None and not self.lock.locked()
+        return (not self.pods and not self.health and self.in_flight is None and not self.lock.locked()
+                and not self.wakers)
 
 
 MODELS: dict[tuple[str, str], ModelState] = {}

@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from flashmodel_operator import adapters
 from flashmodel_operator.eviction import decide, evict_and_record
 from flashmodel_operator.model import FlashModelSpec
 from flashmodel_operator.model_status import now_iso
@@ -41,6 +42,10 @@ async def prewarm(
         return current().monitor_seconds  # being drained: the gate stays off
     if not await shim.started():
         return 2.0  # still loading; the startup probe owns the deadline
+    # The adapters first: the prewarm covers them, and the gate must not open on a pod without the set.
+    wait = await adapters.sync(ctx, pod, fm, spec, shim, before_prewarm=True)
+    if wait is not None:
+        return wait
     record = ctx.state.pods.setdefault(ctx.name, PodRecord())
     record.template = ctx.template
     if not spec.prewarm.enabled:

@@ -18,6 +18,7 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from flashmodel_operator import GROUP
+from flashmodel_operator.adapter_status import condition as adapter_condition
 from flashmodel_operator.apply import Cluster, api_message, namespace_terminating, transient
 from flashmodel_operator.autoscaling import PROMETHEUS_URL_ENV, ScalerState, hpa_name, prometheus_url, scaler_state
 from flashmodel_operator.child_cache import ChildCache, PassReads
@@ -133,6 +134,9 @@ def engine_args(config: dict[str, Any]) -> list[str]:
     from flashmodel_engine.config import EngineConfig
     from flashmodel_engine.profiles import vllm_args
 
+    # MERGE: the engine branch adds the `lora` section to EngineConfig (and --enable-lora to vllm_args);
+    # until then this branch's EngineConfig forbids it. Drop this line at merge.
+    config = {k: v for k, v in config.items() if k != "lora"}
     return vllm_args(EngineConfig.model_validate(config))
 
 
@@ -492,6 +496,8 @@ def _observe(
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
         routing=_routing_as_before(body) if plan.from_watch else routed,
         remediation_held=_remediation_held(ns, name),
+        # From status.adapters, which the pod watches write as their PUTs are answered.
+        adapters=adapter_condition(fm.spec.lora_on, status.get("adapters"), [a.name for a in fm.spec.adapters]),
     )
     was_unschedulable = any(
         c.get("type") == "Ready" and c.get("reason") == "Unschedulable" for c in status.get("conditions") or []
@@ -675,12 +681,12 @@ def _reconcile_autoscaler(
 
 
 def write_pod_records(
-    cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]], startup: dict[str, Any] | None = None
+    cluster: Cluster, namespace: str, name: str, pods: list[dict[str, Any]], extra: dict[str, Any] | None = None
 ) -> None:
-    """status.pods (and status.startup, kept as it is when None), for the pod watches: under the model's lock,
-    so it never lands inside a pass."""
+    """status.pods (and `extra`: status.startup, status.adapters; what it leaves out is kept), for the pod
+    watches: under the model's lock, so it never lands inside a pass."""
     with _locks.hold((namespace, name)):
-        cluster.patch_status(namespace, name, {"pods": pods} if startup is None else {"pods": pods, "startup": startup})
+        cluster.patch_status(namespace, name, {"pods": pods, **(extra or {})})
 
 
 def record_remediation(

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import math
+import posixpath
 from typing import Any
 
 import yaml
@@ -33,7 +34,7 @@ from flashmodel_operator import (
     pod_policy,
 )
 from flashmodel_operator.autoscaling import render_hpa, render_scaled_object
-from flashmodel_operator.model import FlashModel
+from flashmodel_operator.model import AdapterSpec, FlashModel
 from flashmodel_operator.placement import PodProfile, pod_profile
 
 PRE_STOP_SLEEP_SECONDS = 5
@@ -190,7 +191,25 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
         config["model"]["quantization"] = spec.model.quantization
     if spec.auth is not None:
         config["auth"] = {"apiKeyFile": f"{AUTH_DIR}/{spec.auth.api_key_secret_ref.key}"}
+    lora = lora_section(fm)
+    if lora is not None:
+        # Only when LoRA is on: a model without it keeps its config hash. The adapters themselves are not
+        # here: the operator loads them at run time (flashmodel_operator.adapters), so changing them
+        # changes neither this file nor the pods.
+        config["lora"] = lora
     return config
+
+
+def lora_section(fm: FlashModel) -> dict[str, Any] | None:
+    """The engine config's `lora` section (vLLM's --enable-lora, --max-loras, --max-lora-rank), or None when off.
+
+    MERGE: the engine's EngineConfig gains this section in the engine branch (its LoraSettings); until
+    then reconcile.engine_args leaves it out of the check against the engine's model.
+    """
+    if not fm.spec.lora_on:
+        return None
+    max_loras, max_rank = fm.spec.lora_limits()
+    return {"maxLoras": max_loras, "maxRank": max_rank}
 
 
 _CONFIG_YAML: dict[str, str] = {}
@@ -269,7 +288,13 @@ def _base_pod_template(fm: FlashModel) -> dict[str, Any]:
     profile = pod_profile(fm.spec.accelerator)
     volumes, mounts = _volumes(fm, profile)
     container = _engine_container(fm, _engine_env(fm, profile), _engine_resources(fm, profile), mounts)
-    config_hash = content_hash({CONFIG_KEY: engine_config_yaml(fm)})
+    hashed: dict[str, Any] = {CONFIG_KEY: engine_config_yaml(fm)}
+    adapter_volumes = [v for v in volumes if v["name"].startswith("adapter-")]
+    if adapter_volumes:
+        # A new claim or image is a new volume, which only a new pod gets: the pods that run without it
+        # are not current. The adapters' list is not hashed: it changes at run time, without a new pod.
+        hashed["adapterVolumes"] = adapter_volumes
+    config_hash = content_hash(hashed)
     return {
         "metadata": {"labels": common_labels(fm), "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
         "spec": _pod_spec(fm, profile, container, volumes),
@@ -347,7 +372,67 @@ def _volumes(fm: FlashModel, profile: PodProfile) -> tuple[list[dict[str, Any]],
             {"name": "auth", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
         )
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    adapter_volumes, adapter_mounts = _adapter_volumes(fm)
+    volumes += adapter_volumes
+    mounts += adapter_mounts
     return volumes, mounts
+
+
+ADAPTERS_DIR = "/adapters"
+"""Where the adapters' claims and images are mounted in the engine container, one folder per volume."""
+
+
+def _adapter_volume(fm: FlashModel, adapter: AdapterSpec) -> tuple[str, dict[str, Any]] | None:
+    """(volume name, volume) an adapter is read from; None for a hub adapter or one on the model's own volume.
+
+    One volume per distinct claim or image, named by a hash of it: the same adapters in any order give
+    the same pod, and another adapter from a claim already mounted changes nothing.
+    """
+    model = fm.spec.model
+    if adapter.pvc is not None:
+        claim = adapter.pvc.claim_name
+        if model.pvc is not None and model.pvc.claim_name == claim:
+            return None
+        return f"adapter-{content_hash(['pvc', claim])[:12]}", {
+            "persistentVolumeClaim": {"claimName": claim, "readOnly": True}
+        }
+    if adapter.image is not None:
+        reference = adapter.image.reference
+        if model.image is not None and model.image.reference == reference:
+            return None
+        return f"adapter-{content_hash(['image', reference])[:12]}", {
+            "image": {"reference": reference, "pullPolicy": "IfNotPresent"}
+        }
+    return None
+
+
+def _adapter_volumes(fm: FlashModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The adapters' volumes and read-only mounts at /adapters/<volume>, sorted by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for adapter in fm.spec.adapters:
+        volume = _adapter_volume(fm, adapter)
+        if volume is not None:
+            found[volume[0]] = volume[1]
+    names = sorted(found)
+    return (
+        [{"name": name, **found[name]} for name in names],
+        [{"name": name, "mountPath": f"{ADAPTERS_DIR}/{name}", "readOnly": True} for name in names],
+    )
+
+
+def adapter_path(fm: FlashModel, adapter: AdapterSpec) -> str | None:
+    """Where the engine reads a pvc or image adapter inside the pod; None for a hub adapter.
+
+    What the operator sends in the shim's PUT /adapters. ValueError for a path that would leave its volume.
+    """
+    volume = _adapter_volume(fm, adapter)
+    if adapter.pvc is not None:
+        mount = "/models" if volume is None else f"{ADAPTERS_DIR}/{volume[0]}"
+        return posixpath.normpath(_inside(mount, adapter.pvc.path))
+    if adapter.image is not None:
+        mount = "/model-image" if volume is None else f"{ADAPTERS_DIR}/{volume[0]}"
+        return posixpath.normpath(_inside(mount, adapter.image.path))
+    return None
 
 
 def _engine_container(

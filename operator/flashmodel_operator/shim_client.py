@@ -1,4 +1,4 @@
-"""The operator's client of an engine pod's health shim: startup, readiness, prewarm, metrics, the health poll."""
+"""The operator's client of an engine pod's health shim: startup, readiness, prewarm, adapters, metrics, polls."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 from flashmodel_engine.contract import (
+    ADAPTERS_PATH,
     ENGINE_GENERATION,
     HEALTH_POLL_PATH,
     HEALTH_POLL_STARTUP,
@@ -167,6 +168,36 @@ def startup_phases(value: object) -> tuple[tuple[str, float], ...]:
         and math.isfinite(seconds)
         and seconds >= 0
     ))
+
+
+@dataclass(frozen=True)
+class AdaptersAnswer:
+    """The shim's answer to PUT ADAPTERS_PATH: status 0 when there was none (unreachable, a timeout)."""
+
+    status: int
+    states: dict[str, tuple[bool, str | None]] | None = None
+    """By adapter name, (loaded, reason) from a 200 answer; None otherwise."""
+    set_hash: str | None = None
+    error: str = ""
+    """What went wrong where there is no 200 answer: the shim's reason, or the transport error."""
+
+
+def parse_adapters(body: str) -> tuple[dict[str, tuple[bool, str | None]], str | None]:
+    """The states and set hash of an ADAPTERS_PATH answer; ValueError when it is not the contract's shape."""
+    doc = json.loads(body)
+    if not isinstance(doc, dict) or not isinstance(doc.get("adapters"), list):
+        raise ValueError(f"adapters answer has no 'adapters' list: {body[:200]!r}")
+    states: dict[str, tuple[bool, str | None]] = {}
+    for item in doc["adapters"]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ValueError(f"adapters answer has an entry without a name: {item!r:.200}")
+        state = item.get("state")
+        if state not in ("loaded", "failed"):
+            raise ValueError(f"adapter {item['name']!r}: state {state!r} is not loaded or failed")
+        reason = item.get("reason")
+        states[item["name"]] = (state == "loaded", str(reason) if reason else None)
+    set_hash = doc.get("set")
+    return states, set_hash if isinstance(set_hash, str) else None
 
 
 class ShimHttpError(Exception):
@@ -330,6 +361,32 @@ class ShimClient:
             result.setdefault("error", result.get("reason") or f"prewarm answered HTTP {resp.status}")
         result["status"] = resp.status
         return result
+
+    async def put_adapters(self, adapters: list[dict[str, str]], timeout: float) -> AdaptersAnswer:
+        """PUT the whole desired adapter set (ADAPTERS_PATH, with the control token); never raises."""
+        try:
+            async with self.session.put(
+                self.base + ADAPTERS_PATH,
+                json={"adapters": adapters},
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                status, text = resp.status, await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return AdaptersAnswer(0, error=f"PUT {ADAPTERS_PATH} failed: {type(exc).__name__}: {exc}")
+        if status != 200:
+            try:
+                doc = json.loads(text)
+                reason = str(doc.get("reason") or doc.get("error") or "") if isinstance(doc, dict) else ""
+            except ValueError:
+                reason = text[:200]
+            return AdaptersAnswer(status, error=reason or f"PUT {ADAPTERS_PATH} answered HTTP {status}")
+        try:
+            states, set_hash = parse_adapters(text)
+        except ValueError as exc:
+            # A 200 the operator cannot read is no answer: asked again after a back-off.
+            return AdaptersAnswer(0, error=str(exc))
+        return AdaptersAnswer(200, states=states, set_hash=set_hash)
 
     async def poll(
         self, timeout: float, wait: float = 0.0, unless: str | None = None

@@ -23,7 +23,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: str = Field(description="Ready, Available, Progressing, Degraded, Autoscaling or Routing.")
+    type: str = Field(description="Ready, Available, Progressing, Degraded, Autoscaling, Routing or AdaptersReady.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="CamelCase reason for the last transition.")
     message: str | None = Field(default=None, description="Human-readable detail.")
@@ -100,6 +100,21 @@ class PodRecord(_Status):
     )
     startup_phases: StartupPhases | None = Field(
         default=None, description="Where that start's seconds went, as the engine measured them."
+    )
+
+
+class AdapterStatus(_Status):
+    name: str | None = Field(default=None, description="The adapter's name (spec.adapters[].name).")
+    loaded_pods: int | None = Field(
+        default=None, json_schema_extra=_INT32,
+        description="Serving and standby pods that report the adapter, as the spec has it now, loaded.",
+    )
+    pods: int | None = Field(
+        default=None, json_schema_extra=_INT32, description="Serving and standby pods (prewarmed) of the model."
+    )
+    reason: str | None = Field(
+        default=None,
+        description="Why it is not loaded, as the first pod where it failed answered: `<pod>: <reason>`.",
     )
 
 
@@ -201,12 +216,22 @@ class FlashModelStatus(_Status):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description=(
             "Ready (every desired pod serves), Available (at least one pod serves), Progressing, Degraded, "
-            "Autoscaling where spec.autoscaling is set, and Routing where spec.routing is."
+            "Autoscaling where spec.autoscaling is set, Routing where spec.routing is, and AdaptersReady where "
+            "LoRA is on (spec.adapters or spec.lora)."
         ),
     )
     pods: list[PodRecord] | None = Field(default=None, description="Per-pod prewarm results and start-up times.")
     startup: StartupSummary | None = Field(
         default=None, description="The newest pod's start-up: its seconds and its slowest phase."
+    )
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        # The operator writes null to clear it once LoRA is turned off.
+        json_schema_extra={"nullable": True},
+        description=(
+            "Per LoRA adapter of spec.adapters: on how many serving and standby pods it is loaded, and why "
+            "not where it failed (also in the AdaptersReady condition)."
+        ),
     )
     remediations: list[Remediation] | None = Field(
         default=None, max_length=60,
