@@ -53,6 +53,8 @@ class PodProfile:
     """Environment the engine needs on this accelerator."""
     shm_size: str = "2Gi"
     """Size of the /dev/shm memory emptyDir (PyTorch workers share tensors through it)."""
+    lora: bool = False
+    """LoRA is on for this model (spec.adapters or spec.lora): the engine's host memory floor is higher."""
 
 
 _GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -526,6 +527,12 @@ def pod_template_problems(fm: FlashModel) -> list[str]:
     return problems
 
 
+def model_pod_profile(fm: FlashModel) -> PodProfile:
+    """The accelerator's pod profile, marked for LoRA where the model turns it on (a higher memory floor)."""
+    profile = pod_profile(fm.spec.accelerator)
+    return dataclasses.replace(profile, lora=True) if fm.spec.lora_on else profile
+
+
 def render_pod(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
     """The engine pod (render_pod_template) and its problems (pod_template_problems), from one render.
 
@@ -540,12 +547,12 @@ def render_pod(fm: FlashModel) -> tuple[dict[str, Any], list[str]]:
         patched = strategic_merge(base, fm.spec.pod_template_patch)
     except PatchError as exc:
         return base, [*problems, f"spec.podTemplatePatch cannot be applied: {exc}"]
-    pod, refused = pod_policy.enforce(base, patched, pod_profile(fm.spec.accelerator))
+    pod, refused = pod_policy.enforce(base, patched, model_pod_profile(fm))
     return pod, problems + refused
 
 
 def _spec_problems(fm: FlashModel) -> list[str]:
-    profile = pod_profile(fm.spec.accelerator)
+    profile = model_pod_profile(fm)
     problems = []
     _, image_problem = engine_image.current().choose(fm.spec.engine.image)
     if image_problem is not None:

