@@ -305,14 +305,6 @@ class EngineMetrics:
         else:
             self.adapter_loaded.labels(adapter=name).set(value)
 
-    def set_adapter(self, name: str, value: float | None) -> None:
-        """An adapter's gauge; None removes its series (unloaded: it is not part of the set any more)."""
-        if value is None:
-            with contextlib.suppress(KeyError):
-                self.adapter_loaded.remove(name)
-        else:
-            self.adapter_loaded.labels(adapter=name).set(value)
-
     def set_baseline(self, used_bytes: int) -> None:
         self.divergence.set_baseline(used_bytes)
         self.memory_baseline.set(used_bytes)
