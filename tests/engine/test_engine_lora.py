@@ -1,0 +1,154 @@
+"""LoRA adapters on a real vLLM (cpu profile, tiny model): PUT /adapters, generation by adapter name, 404s, gauge.
+
+One engine for the module (a start is most of the time); the tests run in order on its adapter set.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import LaunchedEngine, Reply, engine_config, http, launched, metric
+from tests.support.tiny_adapter import build_tiny_adapter, corrupt_adapter
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("engine_packages")]
+CONTROL_TOKEN = "operator-token-lora-9d1e"
+PROMPT = "the valve on line three"
+
+
+@pytest.fixture(scope="module")
+def adapters_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    build_tiny_adapter(root / "support", seed=1)
+    build_tiny_adapter(root / "billing", seed=2, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"))
+    corrupt_adapter(root / "broken")
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, adapters_root: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[LaunchedEngine]:
+    workdir = tmp_path_factory.mktemp("engine-lora")
+    (workdir / "control-token").write_text(CONTROL_TOKEN + "\n")
+    config = engine_config(tiny_model, lora={"maxLoras": 2, "maxRank": 8, "adapterRoots": [str(adapters_root)],
+                                             "hubCacheDir": str(workdir / "hub-adapters"),
+                                             "awaitAdaptersSeconds": 0})
+    config["engine"]["maxModelLen"] = 1024
+    config["server"]["controlTokenFile"] = str(workdir / "control-token")
+    with launched(workdir, config, ["--no-prewarm-on-start"]) as e:
+        yield e
+
+
+def put_adapters(engine: LaunchedEngine, adapters: list[dict[str, str]], token: str | None = CONTROL_TOKEN) -> Reply:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return http("PUT", engine.shim + "/adapters", json.dumps({"adapters": adapters}).encode(), headers, timeout=300)
+
+
+def generate(engine: LaunchedEngine, model: str) -> Reply:
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    return http("POST", engine.engine + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
+
+
+def states(reply: Reply) -> dict[str, tuple[str, str]]:
+    body: dict[str, Any] = reply.json()
+    return {a["name"]: (a["state"], a["reason"]) for a in body["adapters"]}
+
+
+def test_a_put_without_the_operators_token_is_refused(engine: LaunchedEngine, adapters_root: Path) -> None:
+    reply = put_adapters(engine, [{"name": "support", "path": str(adapters_root / "support")}], token=None)
+    assert reply.status == 401, reply.text
+    assert http("GET", engine.shim + "/adapters").json()["adapters"] == []
+
+
+def test_two_adapters_load_and_answer_by_name(engine: LaunchedEngine, adapters_root: Path) -> None:
+    reply = put_adapters(engine, [{"name": "support", "path": str(adapters_root / "support")},
+                                  {"name": "billing", "path": str(adapters_root / "billing")}])
+    assert reply.status == 200, reply.text
+    assert {n: s for n, (s, _) in states(reply).items()} == {"support": "loaded", "billing": "loaded"}, reply.text
+    texts = {}
+    for model in ("tiny", "support", "billing"):
+        answer = generate(engine, model)
+        assert answer.status == 200, answer.text
+        assert answer.json()["model"] == model
+        texts[model] = answer.json()["choices"][0]["text"]
+    # Random adapters move the logits: greedy answers through them differ from the base model's.
+    assert texts["support"] != texts["tiny"] and texts["billing"] != texts["tiny"], texts
+    gauges = engine.metrics()
+    assert metric(gauges, "flashmodel_adapter_loaded", 'adapter="support"') == 1
+    assert metric(gauges, "flashmodel_adapter_loaded", 'adapter="billing"') == 1
+
+
+def test_an_unknown_model_name_gets_vllms_404(engine: LaunchedEngine) -> None:
+    answer = generate(engine, "no-such-adapter")
+    assert answer.status == 404, answer.text
+    assert "no-such-adapter" in answer.json()["error"]["message"]
+
+
+def test_the_same_set_again_changes_nothing(engine: LaunchedEngine, adapters_root: Path) -> None:
+    before = http("GET", engine.shim + "/adapters").json()
+    reply = put_adapters(engine, [{"name": "billing", "path": str(adapters_root / "billing")},
+                                  {"name": "support", "path": str(adapters_root / "support")}])
+    assert reply.status == 200
+    assert reply.json()["set"] == before["set"]
+    assert states(reply)["support"] == {a["name"]: (a["state"], a["reason"]) for a in before["adapters"]}["support"]
+
+
+def test_prewarm_covers_the_adapters(engine: LaunchedEngine) -> None:
+    reply = engine.post("/prewarm")
+    assert reply.status == 200, reply.text
+    assert {n: s for n, (s, _) in states(http("GET", engine.shim + "/adapters")).items()} == {
+        "support": "loaded", "billing": "loaded"}
+
+
+def test_an_adapter_left_out_of_the_set_is_unloaded(engine: LaunchedEngine, adapters_root: Path) -> None:
+    reply = put_adapters(engine, [{"name": "support", "path": str(adapters_root / "support")}])
+    assert reply.status == 200, reply.text
+    assert list(states(reply)) == ["support"]
+    gone = generate(engine, "billing")
+    assert gone.status == 404, gone.text
+    assert generate(engine, "support").status == 200
+    gauges = engine.metrics()
+    assert 'adapter="billing"' not in gauges
+    assert metric(gauges, "flashmodel_adapter_loaded", 'adapter="support"') == 1
+
+
+def test_a_corrupt_adapter_fails_alone(engine: LaunchedEngine, adapters_root: Path) -> None:
+    reply = put_adapters(engine, [{"name": "support", "path": str(adapters_root / "support")},
+                                  {"name": "broken", "path": str(adapters_root / "broken")}])
+    assert reply.status == 200, reply.text
+    found = states(reply)
+    assert found["support"][0] == "loaded"
+    assert found["broken"][0] == "failed" and "truncated" in found["broken"][1], found
+    assert generate(engine, "tiny").status == 200
+    assert generate(engine, "support").status == 200
+    assert generate(engine, "broken").status == 404
+    assert metric(engine.metrics(), "flashmodel_adapter_loaded", 'adapter="broken"') == 0
+    assert engine.get("/readyz").status == 200
+
+
+def test_an_adapter_vllm_refuses_fails_alone(engine: LaunchedEngine, adapters_root: Path) -> None:
+    """Past the shim's checks vLLM has the last word: its refusal is the adapter's reason."""
+    odd = adapters_root / "odd"
+    build_tiny_adapter(odd, seed=3)
+    config = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
+    reply = put_adapters(engine, [{"name": "support", "path": str(adapters_root / "support")},
+                                  {"name": "odd", "path": str(odd)}])
+    found = states(reply)
+    assert found["support"][0] == "loaded"
+    assert found["odd"][0] == "failed" and "init_lora_weights" in found["odd"][1], found
+    assert generate(engine, "support").status == 200
+
+
+def test_a_path_outside_the_roots_is_refused(engine: LaunchedEngine, tiny_model: Path) -> None:
+    reply = put_adapters(engine, [{"name": "escape", "path": str(tiny_model)}])
+    assert reply.status == 200
+    state, reason = states(reply)["escape"]
+    assert state == "failed" and "outside the adapter folders" in reason
