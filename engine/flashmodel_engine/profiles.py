@@ -196,7 +196,7 @@ PROFILES: dict[str, AcceleratorProfile] = {
             # limits stand until serving through them is measured on a T4 (the graph pool with LoRA too).
             "lora.maxLoras": "each adapter slot's buffers and its share of the CUDA graphs come out of the KV cache "
                              "(provisional until measured on a T4)",
-            "lora.maxRank": "the buffers grow with the rank (at 1.5B, 64 x 8 slots take 1.2 GiB of the 15 GiB card; "
+            "lora.maxRank": "the buffers grow with the rank (at 1.5B, 64 x 8 slots take 1.1 GiB of the 15 GiB card; "
                             "provisional until measured on a T4)",
         },
     ),
