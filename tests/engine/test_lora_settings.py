@@ -40,7 +40,8 @@ def test_the_lora_section_turns_on_lora_with_the_profiles_defaults() -> None:
     config = make({})
     args = vllm_args(config)
     assert "--enable-lora" in args
-    assert (flag(args, "--max-loras"), flag(args, "--max-lora-rank"), flag(args, "--max-cpu-loras")) == ("4", "16", "16")
+    limits = (flag(args, "--max-loras"), flag(args, "--max-lora-rank"), flag(args, "--max-cpu-loras"))
+    assert limits == ("4", "16", "16")
     assert vllm_env(config)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
 
 
@@ -60,12 +61,12 @@ def test_limits_above_the_profile_are_refused_with_why() -> None:
 
 
 def test_a_rank_vllm_does_not_take_is_refused() -> None:
-    with pytest.raises(ConfigError, match="lora.maxRank"):
+    with pytest.raises(ConfigError, match=r"lora\.maxRank"):
         make({"maxRank": 12})
 
 
 def test_fewer_cpu_loras_than_loras_is_refused() -> None:
-    with pytest.raises(ProfileError, match="lora.maxCpuLoras is 2, below lora.maxLoras 4"):
+    with pytest.raises(ProfileError, match=r"lora\.maxCpuLoras is 2, below lora\.maxLoras 4"):
         resolve(make({"maxLoras": 4, "maxCpuLoras": 2}))
 
 
