@@ -350,6 +350,16 @@ class AdapterRegistry:
             status.state, status.reason = "failed", reason
             self._on_change(name, 0)
 
+    async def prewarm(self) -> None:
+        """After the base model's prewarm: one short generation per loaded adapter; one that fails is marked failed."""
+        async with self._lock:
+            for name in self.loaded():
+                try:
+                    await self.api.generate(name)
+                except AdapterError as e:
+                    self.mark_failed(name, f"its prewarm generation failed: {e}")
+                    log.warning("event=adapter-prewarm-failed adapter=%s reason=%r", name, str(e))
+
     async def reconcile(self, desired: AdapterSet) -> dict[str, Any]:
         """Unload what is gone, load what is new or changed; answer the state of each."""
         async with self._lock:

@@ -430,7 +430,8 @@ class EngineShim:
         self._own_requests += result.requests + result.batched
         self._own_tokens += result.completion_tokens
         if result.ok and self.adapters is not None:
-            await self._prewarm_adapters(self.adapters)
+            # The base model stays ready whatever an adapter does: a failing one is marked failed.
+            await self.adapters.prewarm()
         self.prewarm_result = result
         if result.ok:
             self.prewarmed_generation = self.engine.generation
@@ -450,16 +451,6 @@ class EngineShim:
         else:
             log.warning("event=prewarm-done ok=false error=%r", result.error)
         return result
-
-    async def _prewarm_adapters(self, registry: AdapterRegistry) -> None:
-        """One short generation per loaded adapter; one that fails is marked failed, the base stays ready."""
-        api = VllmAdapters(self)
-        for name in registry.loaded():
-            try:
-                await api.generate(name)
-            except AdapterError as e:
-                registry.mark_failed(name, f"its prewarm generation failed: {e}")
-                log.warning("event=adapter-prewarm-failed adapter=%s reason=%r", name, str(e))
 
     async def await_adapters(self) -> None:
         """Before the prewarm at start: the operator's first PUT /adapters, for at most lora.awaitAdaptersSeconds."""

@@ -282,3 +282,27 @@ def test_a_bad_adapter_is_reported_not_loaded(harness: Harness) -> None:
     got = harness.put("a", "c")
     assert got["c"][0] == "failed" and "truncated" in got["c"][1]
     assert "load c" not in harness.vllm.calls
+
+
+def test_prewarm_marks_an_adapter_that_stopped_answering_failed(harness: Harness) -> None:
+    harness.put("a", "b")
+    harness.vllm.refuse_generate.add("b")
+    harness.vllm.calls.clear()
+    asyncio.run(harness.registry.prewarm())
+    assert harness.vllm.calls == ["generate a", "generate b"]
+    got = {a["name"]: (a["state"], a["reason"]) for a in harness.registry.answer()["adapters"]}
+    assert got["a"][0] == "loaded"
+    assert got["b"][0] == "failed" and "prewarm generation failed" in got["b"][1]
+    assert harness.gauge == {"a": 1, "b": 0}
+
+
+def test_a_hub_adapter_that_cannot_be_downloaded_fails_alone(harness: Harness, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the real client, refusing at once instead of reaching the hub
+    desired = AdapterSet(adapters=[AdapterSource(name="a", path=str(harness.root / "a")),
+                                   AdapterSource(name="h", hub="org/weekly", revision=SHA)])
+    got = {a["name"]: (a["state"], a["reason"]) for a in asyncio.run(harness.registry.reconcile(desired))["adapters"]}
+    assert got["a"][0] == "loaded"
+    assert got["h"][0] == "failed" and f"hub adapter org/weekly@{SHA} could not be downloaded" in got["h"][1]
+    assert "load h" not in harness.vllm.calls
