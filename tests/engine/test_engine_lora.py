@@ -6,6 +6,7 @@ One engine for the module (a start is most of the time); the tests run in order 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,15 @@ def engine(tiny_model: Path, adapters_root: Path, tmp_path_factory: pytest.TempP
            ) -> Iterator[LaunchedEngine]:
     workdir = tmp_path_factory.mktemp("engine-lora")
     (workdir / "control-token").write_text(CONTROL_TOKEN + "\n")
+    # The prewarm at start waits for the first PUT (as for the operator's new pod), so the gate opens
+    # with the set loaded; the wait is far longer than the tests before that PUT take.
     config = engine_config(tiny_model, lora={"maxLoras": 2, "maxRank": 8, "adapterRoots": [str(adapters_root)],
                                              "hubCacheDir": str(workdir / "hub-adapters"),
-                                             "awaitAdaptersSeconds": 0})
+                                             "awaitAdaptersSeconds": 600})
     config["engine"]["maxModelLen"] = 1024
+    config["prewarm"]["requests"] = 2
     config["server"]["controlTokenFile"] = str(workdir / "control-token")
-    with launched(workdir, config, ["--no-prewarm-on-start"]) as e:
+    with launched(workdir, config) as e:
         yield e
 
 
@@ -59,6 +63,13 @@ def generate(engine: LaunchedEngine, model: str) -> Reply:
 def states(reply: Reply) -> dict[str, tuple[str, str]]:
     body: dict[str, Any] = reply.json()
     return {a["name"]: (a["state"], a["reason"]) for a in body["adapters"]}
+
+
+def test_the_gate_stays_closed_until_the_adapters_arrive(engine: LaunchedEngine) -> None:
+    time.sleep(2)  # vLLM answered /health: without adapters to wait for, the prewarm would be running now
+    assert engine.get("/prewarm").status == 404, "prewarm ran before the adapter set was PUT"
+    reply = engine.get("/readyz")
+    assert reply.status == 503 and "prewarm has not succeeded" in reply.json()["reason"], reply.text
 
 
 def test_a_put_without_the_operators_token_is_refused(engine: LaunchedEngine, adapters_root: Path) -> None:
@@ -85,6 +96,15 @@ def test_two_adapters_load_and_answer_by_name(engine: LaunchedEngine, adapters_r
     assert metric(gauges, "flashmodel_adapter_loaded", 'adapter="billing"') == 1
 
 
+def test_the_prewarm_at_start_runs_once_the_set_is_loaded(engine: LaunchedEngine) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and engine.get("/prewarm").status == 404:
+        time.sleep(0.5)
+    prewarm = engine.get("/prewarm")
+    assert prewarm.status == 200 and prewarm.json()["ok"], prewarm.text
+    assert engine.get("/readyz").status == 200
+
+
 def test_an_unknown_model_name_gets_vllms_404(engine: LaunchedEngine) -> None:
     answer = generate(engine, "no-such-adapter")
     assert answer.status == 404, answer.text
@@ -100,7 +120,7 @@ def test_the_same_set_again_changes_nothing(engine: LaunchedEngine, adapters_roo
     assert states(reply)["support"] == {a["name"]: (a["state"], a["reason"]) for a in before["adapters"]}["support"]
 
 
-def test_prewarm_covers_the_adapters(engine: LaunchedEngine) -> None:
+def test_a_prewarm_covers_the_adapters(engine: LaunchedEngine) -> None:
     reply = engine.post("/prewarm")
     assert reply.status == 200, reply.text
     assert {n: s for n, (s, _) in states(http("GET", engine.shim + "/adapters")).items()} == {
