@@ -307,7 +307,7 @@ class AdapterRegistry:
     """Owns the set of adapters on this engine; one reconcile at a time."""
 
     def __init__(self, api: EngineAdapterAPI, *, base: Callable[[], BaseShapes], max_rank: int,
-                 max_adapters: int, roots: list[str], hub_cache_dir: str, served_name: str,
+                 max_adapters: int, roots: list[str], hub_cache_dir: str,
                  generation: Callable[[], int], on_change: Callable[[str, float | None], None]) -> None:
         self.api = api
         self._base = base
@@ -315,7 +315,6 @@ class AdapterRegistry:
         self.max_adapters = max_adapters
         self.roots = [*roots, hub_cache_dir]
         self.hub_cache_dir = hub_cache_dir
-        self.served_name = served_name
         self._generation = generation
         self._on_change = on_change
         """Called with (name, 1 loaded | 0 failed | None gone): the gauge."""

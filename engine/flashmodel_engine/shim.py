@@ -250,7 +250,7 @@ class EngineShim:
             self.adapters = AdapterRegistry(
                 VllmAdapters(self), base=self._base_shapes, max_rank=resolved.lora.max_rank,
                 max_adapters=resolved.lora.max_cpu_loras, roots=list(config.lora.adapter_roots),
-                hub_cache_dir=config.lora.hub_cache_dir, served_name=config.model.served_name,
+                hub_cache_dir=config.lora.hub_cache_dir,
                 generation=lambda: self.engine.generation, on_change=self.metrics.set_adapter)
         self._shapes: BaseShapes | None = None
 

@@ -183,7 +183,7 @@ class Harness:
         self.generation = 1
         self.registry = AdapterRegistry(
             self.vllm, base=lambda: BASE, max_rank=8, max_adapters=8, roots=[str(root)],
-            hub_cache_dir=str(root / "hub"), served_name="tiny", generation=lambda: self.generation,
+            hub_cache_dir=str(root / "hub"), generation=lambda: self.generation,
             on_change=self.record)
 
     def record(self, name: str, value: float | None) -> None:
