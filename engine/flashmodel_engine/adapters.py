@@ -326,18 +326,17 @@ class AdapterRegistry:
 
     def answer(self) -> dict[str, Any]:
         """The JSON of GET and PUT /adapters, in the desired set's order."""
-        now = self._generation()
-        out = []
-        for a in self.desired.adapters:
-            status = self.adapters.get(a.name)
-            if status is None:
-                continue
-            if status.state == "loaded" and status.generation != now:
-                out.append({**status.to_json(), "state": "failed",
-                            "reason": "the engine restarted since it was loaded; PUT /adapters again"})
-            else:
-                out.append(status.to_json())
+        self.forget_restarted()
+        out = [self.adapters[a.name].to_json() for a in self.desired.adapters if a.name in self.adapters]
         return {"adapters": out, "set": set_hash(self.desired)}
+
+    def forget_restarted(self) -> None:
+        """A restarted vLLM holds none of the adapters: their gauges read 0 until the next PUT loads them."""
+        now = self._generation()
+        for name, status in self.adapters.items():
+            if status.state == "loaded" and status.generation != now:
+                status.state, status.reason = "failed", "the engine restarted since it was loaded; PUT /adapters again"
+                self._on_change(name, 0)
 
     def loaded(self) -> list[str]:
         now = self._generation()

@@ -475,6 +475,8 @@ class EngineShim:
     async def sample_once(self) -> None:
         m = self.metrics
         m.generation.set(self.engine.generation)
+        if self.adapters is not None:
+            self.adapters.forget_restarted()
         pid = self.engine.pid
         if pid is None or not self.engine.alive():
             m.engine_up.set(0)

@@ -261,6 +261,7 @@ def test_a_restarted_engine_reports_and_reloads(harness: Harness) -> None:
     harness.generation = 2
     answer = harness.registry.answer()
     assert answer["adapters"][0]["state"] == "failed" and "restarted" in answer["adapters"][0]["reason"]
+    assert harness.gauge == {"a": 0}
     harness.vllm.calls.clear()
     assert harness.put("a")["a"][0] == "loaded"
     assert harness.vllm.calls == ["load a", "generate a"]
