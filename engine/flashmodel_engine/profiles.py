@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashmodel_engine.config import EngineConfig, EngineSettings
+from flashmodel_engine.engine_guard import MIDDLEWARE as GUARD_MIDDLEWARE
 from flashmodel_engine.engine_version import SUPPORTED_RANGE
 from flashmodel_engine.extra_args_allowed import ALLOWED_FLAGS
 from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
@@ -665,6 +666,10 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
     if r.lora is not None:
         args += ["--enable-lora", "--max-loras", str(r.lora.max_loras), "--max-lora-rank", str(r.lora.max_rank),
                  "--max-cpu-loras", str(r.lora.max_cpu_loras)]
+    # Always, LoRA or not: vLLM's port also carries its admin routes (dev mode, elastic EP), and the
+    # Service and the gateway expose that port to every client (engine_guard). --middleware is a
+    # CODE_FLAGS flag, so extraArgs cannot add another.
+    args += ["--middleware", GUARD_MIDDLEWARE]
     return args
 
 
@@ -681,6 +686,7 @@ def vllm_env(config: EngineConfig) -> dict[str, str]:
         env["OTEL_SERVICE_NAME"] = config.model.served_name
     if config.lora is not None:
         # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this; the shim's
-        # PUT /adapters calls them (on the engine port, behind the API key when one is set).
+        # PUT /adapters calls them (on the engine port, behind the API key when one is set, and
+        # answered only with the control token: engine_guard.ControlRoutes).
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env

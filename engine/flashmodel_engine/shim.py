@@ -34,6 +34,7 @@ from flashmodel_engine.contract import (
     health_poll_state,
     parse_health_poll_wait,
 )
+from flashmodel_engine.engine_guard import CONTROL_HEADER
 from flashmodel_engine.engine_process import EngineProcess
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
@@ -153,10 +154,14 @@ class VllmAdapters:
     def __init__(self, shim: EngineShim) -> None:
         self.shim = shim
 
-    async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    async def _post(self, path: str, body: dict[str, Any], *, control: bool = False) -> tuple[int, str]:
         s = self.shim
+        headers = dict(s.headers)
+        if control and s.control_token is not None:
+            # vLLM's loading routes answer only this token (engine_guard): the port is the clients' too.
+            headers[CONTROL_HEADER] = s.control_token
         try:
-            async with s.session.post(s.base_url + path, json=body, headers=s.headers,
+            async with s.session.post(s.base_url + path, json=body, headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=ADAPTER_CALL_SECONDS)) as resp:
                 return resp.status, await resp.text()
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -164,16 +169,16 @@ class VllmAdapters:
 
     async def load(self, name: str, path: Path) -> None:
         body = {"lora_name": name, "lora_path": str(path)}
-        status, text = await self._post("/v1/load_lora_adapter", body)
+        status, text = await self._post("/v1/load_lora_adapter", body, control=True)
         if status == 400 and "already been loaded" in text:
             # vLLM still holds the name (an unload that failed): the set's files replace it.
             await self.unload(name)
-            status, text = await self._post("/v1/load_lora_adapter", body)
+            status, text = await self._post("/v1/load_lora_adapter", body, control=True)
         if status != 200:
             raise AdapterError(f"vLLM refused to load it ({status}: {_vllm_message(text)})")
 
     async def unload(self, name: str) -> None:
-        status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": name}, control=True)
         if status not in (200, 404):
             raise AdapterError(f"vLLM refused to unload it ({status}: {_vllm_message(text)})")
 
