@@ -636,6 +636,10 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
         "--max-model-len", str(r.max_model_len),
         "--max-num-batched-tokens", str(r.max_num_batched_tokens),
         "--shutdown-timeout", str(math.ceil(config.server.drain_timeout_seconds)),
+        # Always, LoRA or not: vLLM's port also carries its control routes (runtime LoRA, dev mode,
+        # elastic EP), and the Service and the gateway expose that port to every client
+        # (engine_guard). --middleware is a CODE_FLAGS flag, so extraArgs cannot add another.
+        "--middleware", GUARD_MIDDLEWARE,
     ]
     if r.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
@@ -666,10 +670,6 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
     if r.lora is not None:
         args += ["--enable-lora", "--max-loras", str(r.lora.max_loras), "--max-lora-rank", str(r.lora.max_rank),
                  "--max-cpu-loras", str(r.lora.max_cpu_loras)]
-    # Always, LoRA or not: vLLM's port also carries its admin routes (dev mode, elastic EP), and the
-    # Service and the gateway expose that port to every client (engine_guard). --middleware is a
-    # CODE_FLAGS flag, so extraArgs cannot add another.
-    args += ["--middleware", GUARD_MIDDLEWARE]
     return args
 
 

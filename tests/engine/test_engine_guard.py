@@ -15,6 +15,10 @@ from flashmodel_engine.engine_guard import (
     MIDDLEWARE,
     TOKEN_FILE_ENV,
     ControlRoutes,
+    Message,
+    Receive,
+    Scope,
+    Send,
     control_route,
 )
 from flashmodel_engine.engine_process import engine_environment
@@ -29,7 +33,7 @@ class Downstream:
     def __init__(self) -> None:
         self.reached: list[str] = []
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.reached.append(scope["path"])
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
@@ -38,14 +42,14 @@ class Downstream:
 def call(guard: ControlRoutes, path: str, headers: list[tuple[bytes, bytes]] | None = None, *,
          raw_path: bytes | None = None, root_path: str = "", kind: str = "http") -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of one request through the guard; websocket closes read as 403 with no body."""
-    sent: list[dict[str, Any]] = []
-    scope = {"type": kind, "method": "POST", "path": path, "root_path": root_path, "headers": headers or [],
+    sent: list[Message] = []
+    scope: Scope = {"type": kind, "method": "POST", "path": path, "root_path": root_path, "headers": headers or [],
              "raw_path": raw_path if raw_path is not None else path.encode()}
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     asyncio.run(guard(scope, receive, send))
@@ -177,7 +181,7 @@ def test_an_unreadable_or_empty_token_file_stops_the_engine(app: Downstream, tmp
 def test_lifespan_passes_through(guard: ControlRoutes) -> None:
     seen: list[str] = []
 
-    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
         seen.append(scope["type"])
 
     async def go() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flashmodel_engine.engine_guard import CONTROL_HEADER
 
 from tests.engine.conftest import LaunchedEngine, Reply, engine_config, http, launched, metric
 from tests.support.tiny_adapter import build_tiny_adapter, corrupt_adapter
@@ -78,6 +79,35 @@ def test_a_put_without_the_operators_token_is_refused(engine: LaunchedEngine, ad
     assert http("GET", engine.shim + "/adapters").json()["adapters"] == []
 
 
+def served_models(engine: LaunchedEngine) -> set[str]:
+    return {m["id"] for m in http("GET", engine.engine + "/v1/models").json()["data"]}
+
+
+# vLLM's own loading routes, as a client of the Service or the gateway might spell them.
+CLIENT_LOADS = [
+    ("/v1/load_lora_adapter", {}),
+    ("/v1/load_lora_adapter/", {}),
+    ("//v1//load_lora_adapter", {}),
+    ("/V1/Load_Lora_Adapter", {}),
+    ("/v1/load%5Flora%5Fadapter", {}),
+    ("/v1/load_lora_adapter", {CONTROL_HEADER: "a-guess"}),
+    ("/v1/load_lora_adapter", {"Authorization": f"Bearer {CONTROL_TOKEN}"}),
+    ("/adapters", {}),  # SageMaker's register route, the same loader
+]
+
+
+@pytest.mark.parametrize(("path", "headers"), CLIENT_LOADS)
+def test_a_client_cannot_load_through_vllms_own_routes(engine: LaunchedEngine, adapters_root: Path, path: str,
+                                                       headers: dict[str, str]) -> None:
+    source = str(adapters_root / "support")
+    body = json.dumps({"lora_name": "sneaky", "lora_path": source, "name": "sneaky", "src": source}).encode()
+    reply = http("POST", engine.engine + path, body, {"Content-Type": "application/json", **headers})
+    assert reply.status == 403, (path, reply.status, reply.text)
+    assert "only the engine pod's shim" in reply.json()["error"]["message"], reply.text
+    assert "sneaky" not in served_models(engine)
+    assert generate(engine, "sneaky").status == 404
+
+
 def test_two_adapters_load_and_answer_by_name(engine: LaunchedEngine, adapters_root: Path) -> None:
     reply = put_adapters(engine, [{"name": "support", "path": str(adapters_root / "support")},
                                   {"name": "billing", "path": str(adapters_root / "billing")}])
@@ -94,6 +124,16 @@ def test_two_adapters_load_and_answer_by_name(engine: LaunchedEngine, adapters_r
     gauges = engine.metrics()
     assert metric(gauges, "flashmodel_adapter_loaded", 'adapter="support"') == 1
     assert metric(gauges, "flashmodel_adapter_loaded", 'adapter="billing"') == 1
+
+
+def test_a_client_cannot_unload_a_loaded_adapter(engine: LaunchedEngine) -> None:
+    for path in ("/v1/unload_lora_adapter", "/v1/unload_lora_adapter//", "/adapters/support"):
+        method = "DELETE" if path.startswith("/adapters") else "POST"
+        reply = http(method, engine.engine + path, json.dumps({"lora_name": "support"}).encode(),
+                     {"Content-Type": "application/json"})
+        assert reply.status == 403, (path, reply.status, reply.text)
+    assert {"support", "billing"} <= served_models(engine)
+    assert generate(engine, "support").status == 200
 
 
 def test_the_prewarm_at_start_runs_once_the_set_is_loaded(engine: LaunchedEngine) -> None:
