@@ -146,6 +146,68 @@ class EngineSettings(_Strict):
     )
 
 
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+"""The ranks vLLM accepts as --max-lora-rank (vllm.config.lora.MaxLoRARanks)."""
+
+
+class LoraSettings(_Strict):
+    """LoRA adapters on the base model; present, vLLM serves them (--enable-lora) and the shim loads them.
+
+    The adapters themselves are not here: the operator sends the set to the shim at run time
+    (`PUT /adapters`, flashmodel_engine.contract.ADAPTERS_PATH), so adding one restarts nothing.
+    None means 'the accelerator profile's default'.
+    """
+
+    max_loras: int | None = Field(
+        default=None, ge=1, le=64,
+        description=(
+            "Adapters one batch may use at once (--max-loras); vLLM preallocates their weight buffers on the "
+            "card, counted in the memory plan. Unset: the profile's default (4)."
+        ),
+    )
+    max_rank: LoraRank | None = Field(
+        default=None,
+        description=(
+            "The largest adapter rank `r` served (--max-lora-rank), one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, "
+            "512; the buffers are sized for it. Unset: the profile's default (16)."
+        ),
+    )
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1, le=256,
+        description=(
+            "Adapters loaded at once, in host memory (--max-cpu-loras); a PUT /adapters with more is refused. "
+            "At least maxLoras. Unset: the larger of maxLoras and 16."
+        ),
+    )
+    adapter_roots: list[Annotated[str, Field(min_length=2, max_length=1024)]] = Field(
+        default_factory=lambda: ["/adapters"], min_length=1, max_length=16,
+        description=(
+            "Absolute folders an adapter's path must lie in (after symlinks are resolved); the hub cache is "
+            "added to them."
+        ),
+    )
+    hub_cache_dir: str = Field(
+        default="/cache/adapters", min_length=2,
+        description="Where hub adapters are downloaded (a writable folder of the pod), one folder per repo and commit.",
+    )
+    await_adapters_seconds: float = Field(
+        default=120, ge=0, le=3600,
+        description=(
+            "How long the prewarm at start waits for the operator's first PUT /adapters, so the gate opens with "
+            "every adapter loaded and prewarmed; past it the base model's prewarm runs alone."
+        ),
+    )
+
+    @field_validator("adapter_roots", "hub_cache_dir")
+    @classmethod
+    def _absolute(cls, value: str | list[str]) -> str | list[str]:
+        for path in [value] if isinstance(value, str) else value:
+            p = PurePosixPath(path)
+            if not p.is_absolute() or ".." in p.parts:
+                raise ValueError(f"{path!r} must be an absolute path without '..'")
+        return value
+
+
 class PrewarmSettings(_Strict):
     """Warm-up requests a pod must answer before it takes traffic.
 
@@ -272,6 +334,7 @@ class EngineConfig(_Strict):
     health: HealthSettings = Field(default_factory=HealthSettings, description="Probes.")
     remediation: RemediationSettings = Field(default_factory=RemediationSettings, description="Signals.")
     auth: AuthSettings | None = Field(default=None, description="Absent: no API key.")
+    lora: LoraSettings | None = Field(default=None, description="LoRA adapters; absent: none (no --enable-lora).")
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings, description="Tracing.")
     server: ServerSettings = Field(default_factory=ServerSettings, description="Ports and bind address.")
 

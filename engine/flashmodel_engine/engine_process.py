@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flashmodel_engine.compile_cache import cache_env, cache_key
 from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.engine_guard import TOKEN_FILE_ENV
 from flashmodel_engine.modelinfos import seed_modelinfos
 from flashmodel_engine.profiles import vllm_args, vllm_env
 
@@ -24,6 +25,8 @@ log = logging.getLogger("flashmodel.launcher")
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 HOOK_ENV = "FLASHMODEL_TEST_MEMORY_HOG_FILE"
+LORA_RESOLVER_ENV = ("VLLM_LORA_RESOLVER_CACHE_DIR", "VLLM_LORA_RESOLVER_HF_REPO_LIST")
+"""vLLM's LoRA resolver plugins: with runtime LoRA on, they load any adapter a request's model names."""
 HOOK_DIR = Path(__file__).parent / "testhooks"
 # Signals passed straight on to vLLM; SIGTERM and SIGINT go through the drain instead.
 FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -55,6 +58,15 @@ def engine_environment(
     if config.server.compile_cache_dir is not None and argv is not None:
         # The interpreter's path is the image's, not part of what was compiled.
         env.update(cache_env(config.server.compile_cache_dir, cache_key(config.accelerator, argv[1:])))
+    # The control routes' guard (engine_guard.ControlRoutes) reads the shim's token from this file;
+    # without one it refuses them all, whatever the launcher's own environment held.
+    env.pop(TOKEN_FILE_ENV, None)
+    if config.server.control_token_file is not None:
+        env[TOKEN_FILE_ENV] = config.server.control_token_file
+    for name in LORA_RESOLVER_ENV:
+        # A resolver loads an adapter a request names from a folder or the hub, past the shim's checks.
+        if env.pop(name, None) is not None:
+            log.warning("event=env-dropped name=%s reason=adapters are loaded only through the shim", name)
     if config.auth is not None:
         # Through the environment, not --api-key: a flag shows in `ps` and in status.engineArgs.
         env["VLLM_API_KEY"] = Path(config.auth.api_key_file).read_text().strip()

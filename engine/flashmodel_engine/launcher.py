@@ -104,5 +104,7 @@ async def launch(config: EngineConfig, *, prewarm_on_start: bool = True) -> int:
 
 
 async def _prewarm_on_start(shim: Any) -> None:
+    # With LoRA the gate opens once the operator's set is loaded and prewarmed with the base model.
+    await shim.await_adapters()
     result = await shim.prewarm()
     shim.metrics.startup_seconds.labels(phase="prewarm").set(result.duration_seconds)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashmodel_engine.config import RemediationSettings
 from flashmodel_engine.contract import (
+    ADAPTER_LOADED,
     ENGINE_GENERATION,
     KV_CACHE_USAGE,
     MEMORY_DIVERGENCE_RATIO,
@@ -254,6 +255,8 @@ class EngineMetrics:
         self.startup_graph_memory = Gauge("flashmodel_startup_graph_memory_bytes",
                                           "The CUDA graph pool vLLM captured at start-up (0: eager or not yet).",
                                           registry=r)
+        self.adapter_loaded = Gauge(ADAPTER_LOADED, "Per LoRA adapter of the set: 1 loaded, 0 failed.",
+                                    ["adapter"], registry=r)
         for reason in (MEMORY_DIVERGENCE_REASON, "hung_readiness"):
             self.remediation.labels(reason).set(0)
         self.prewarm_succeeded.set(0)
@@ -293,6 +296,14 @@ class EngineMetrics:
         recommended = self.divergence.observe(now, memory, engine)
         self.divergence_ratio.set(self.divergence.ratio)
         self.remediation.labels(MEMORY_DIVERGENCE_REASON).set(1 if recommended else 0)
+
+    def set_adapter(self, name: str, value: float | None) -> None:
+        """An adapter's gauge; None removes its series (unloaded: it is not part of the set any more)."""
+        if value is None:
+            with contextlib.suppress(KeyError):
+                self.adapter_loaded.remove(name)
+        else:
+            self.adapter_loaded.labels(adapter=name).set(value)
 
     def set_baseline(self, used_bytes: int) -> None:
         self.divergence.set_baseline(used_bytes)

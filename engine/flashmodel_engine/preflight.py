@@ -10,10 +10,10 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from flashmodel_engine import quantization as quant
-from flashmodel_engine.config import EngineConfig
+from flashmodel_engine.config import EngineConfig, LoraRank
 from flashmodel_engine.profiles import ProfileError, ResolvedEngine, resolve
 from flashmodel_engine.vllm_flags import installed_options
 
@@ -73,11 +73,13 @@ class MemoryPlan:
     activation_bytes: int
     kv_bytes_per_token: int
     max_model_len: int
+    lora_bytes: int = 0
+    """vLLM's preallocated LoRA buffers (lora_buffer_bytes); 0 without lora."""
 
     @property
     def kv_free_bytes(self) -> int:
         return (self.budget_bytes - self.weights_bytes - self.runtime_bytes - self.graph_pool_bytes
-                - self.activation_bytes)
+                - self.activation_bytes - self.lora_bytes)
 
     @property
     def sequence_bytes(self) -> int:
@@ -103,6 +105,13 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    heads: int = 0
+    """Attention heads (0: taken as hidden // head_dim)."""
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention output (o_proj's input), heads x head size."""
+        return self.heads * self.head_dim if self.heads else self.hidden
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -113,8 +122,23 @@ class ModelShape:
             intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
             kv_heads=int(cfg.get("num_key_value_heads", heads) or heads),
             head_dim=int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
-            vocab=int(cfg.get("vocab_size") or 0),
+            vocab=int(cfg.get("vocab_size") or 0), heads=heads,
         )
+
+
+def lora_buffer_bytes(shape: ModelShape, max_loras: int, max_rank: int, run_bytes: int) -> int:
+    """The LoRA weight buffers vLLM preallocates at load for a llama-family model (Qwen2 and the like).
+
+    vLLM wraps every linear layer of every decoder layer, whatever the adapters target
+    (vllm.lora.model_manager._create_lora_modules), and gives each of `max_loras` slots an A of
+    [max_rank, in] and a B of [out, max_rank] per slice in the model dtype (create_lora_weights):
+    qkv_proj has 3 slices on the hidden input (q, k, v outputs), gate_up_proj 2 on the hidden input,
+    o_proj takes the attention output, down_proj the intermediate. The embeddings and lm_head of these
+    models have none.
+    """
+    h, i, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_heads * shape.head_dim
+    per_rank = (3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * i) + (i + h)
+    return shape.layers * max_loras * max_rank * per_rank * run_bytes
 
 
 def plan_gpu_memory(shape: ModelShape, r: ResolvedEngine, weights_bytes: int, card_bytes: int,
@@ -130,6 +154,7 @@ def plan_gpu_memory(shape: ModelShape, r: ResolvedEngine, weights_bytes: int, ca
                                           r.max_num_batched_tokens, seqs, run_bytes),
         kv_bytes_per_token=2 * shape.layers * shape.kv_heads * shape.head_dim * run_bytes,
         max_model_len=r.max_model_len,
+        lora_bytes=0 if r.lora is None else lora_buffer_bytes(shape, r.lora.max_loras, r.lora.max_rank, run_bytes),
     )
 
 
@@ -155,6 +180,16 @@ def fit_fixes(plan: MemoryPlan, shape: ModelShape, r: ResolvedEngine, run_bytes:
         chunked = " with --enable-chunked-prefill in extraArgs" if fitting_mnbt < r.max_model_len else ""
         fixes.append(f"lower maxNumBatchedTokens to {fitting_mnbt}{chunked} (the CUDA-graph pool and the "
                      "prefill activations are sized for it)")
+    if r.lora is not None and plan.lora_bytes:
+        # Smaller limits, fewest slots and lowest rank last: the first that fits is the least change.
+        ranks = [k for k in get_args(LoraRank) if k <= r.lora.max_rank]
+        for loras, rank in sorted(((n, k) for n in range(1, r.lora.max_loras + 1) for k in ranks),
+                                  key=lambda c: -c[0] * c[1]):
+            smaller_lora = replace(r, lora=replace(r.lora, max_loras=loras, max_rank=rank))
+            if plan_gpu_memory(shape, smaller_lora, plan.weights_bytes, plan.card_bytes, run_bytes).fits:
+                fixes.append(f"lower lora.maxLoras to {loras} and lora.maxRank to {rank} (vLLM preallocates the "
+                             "LoRA buffers for them)")
+                break
     fitting_len = max(plan.kv_free_bytes, 0) // plan.kv_bytes_per_token // 128 * 128 if plan.kv_bytes_per_token else 0
     if fitting_len >= 128:
         fixes.append(f"lower maxModelLen to {fitting_len}")
@@ -407,6 +442,9 @@ def _check_fit(cfg: dict[str, Any], r: ResolvedEngine, config: EngineConfig, wei
             linear_run = linear_bytes * run_bytes // ckpt_bytes
             int4 = weights - linear_run + int(linear_run / run_bytes * INT4_BYTES_PER_WEIGHT)
         graphs = f"+ CUDA graphs {plan.graph_pool_bytes / GIB:.2f} GiB " if plan.graph_pool_bytes else ""
+        if plan.lora_bytes and r.lora is not None:
+            graphs += (f"+ LoRA buffers {plan.lora_bytes / GIB:.2f} GiB (maxLoras {r.lora.max_loras} x maxRank "
+                       f"{r.lora.max_rank}) ")
         report.failures.append(
             f"the model does not fit the {card / GIB:.1f} GiB card at gpuMemoryUtilization "
             f"{r.gpu_memory_utilization} ({plan.budget_bytes / GIB:.2f} GiB): weights {weights / GIB:.2f} GiB "
@@ -417,11 +455,14 @@ def _check_fit(cfg: dict[str, Any], r: ResolvedEngine, config: EngineConfig, wei
         return
     budget = config.engine.cpu_kv_cache_space_gib * GIB
     host = _host_memory_bytes()
-    need = weights + budget + CPU_RUNTIME_OVERHEAD_BYTES
+    lora = 0 if r.lora is None else lora_buffer_bytes(shape, r.lora.max_loras, r.lora.max_rank, run_bytes)
+    need = weights + budget + CPU_RUNTIME_OVERHEAD_BYTES + lora
     if host is not None and need > host:
+        with_lora = f" + LoRA buffers {lora / GIB:.2f} GiB" if lora else ""
         report.failures.append(
-            f"weights {weights / GIB:.2f} GiB + KV cache {budget / GIB:.0f} GiB + runtime need "
+            f"weights {weights / GIB:.2f} GiB + KV cache {budget / GIB:.0f} GiB{with_lora} + runtime need "
             f"{need / GIB:.1f} GiB but the host has {host / GIB:.1f} GiB; lower cpuKVCacheSpaceGiB"
+            + (" or lora.maxLoras / lora.maxRank" if lora else "")
         )
     report.max_full_length_sequences = budget // seq_bytes if seq_bytes else 0
     if budget < seq_bytes:

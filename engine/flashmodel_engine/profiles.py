@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashmodel_engine.config import EngineConfig, EngineSettings
+from flashmodel_engine.engine_guard import MIDDLEWARE as GUARD_MIDDLEWARE
 from flashmodel_engine.engine_version import SUPPORTED_RANGE
 from flashmodel_engine.extra_args_allowed import ALLOWED_FLAGS
 from flashmodel_engine.quantization import FIELD as QUANTIZATION_FIELD
@@ -51,6 +52,11 @@ ENFORCED_FLAGS: dict[str, str] = {
     # The launcher's drain relies on it (vLLM finishes in-flight requests this long on SIGTERM).
     "--shutdown-timeout": "server.drainTimeoutSeconds",
     "--otlp-traces-endpoint": "observability.otlpTracesEndpoint",
+    # The LoRA buffers the memory plan counts, and the runtime loading the shim's /adapters relies on.
+    "--enable-lora": "lora",
+    "--max-loras": "lora.maxLoras",
+    "--max-lora-rank": "lora.maxRank",
+    "--max-cpu-loras": "lora.maxCpuLoras",
 }
 # Flags that are not enforced one by one but would set an enforced setting or the whole config.
 ALIASES: dict[str, str] = {
@@ -61,6 +67,7 @@ ALIASES: dict[str, str] = {
     "--optimization-level": "--enforce-eager",
     # Its backend key would replace the attention backend the profile picked.
     "--attention-config": "--attention-backend",
+    "--no-enable-lora": "--enable-lora",
 }
 # Flags enforced only where the FlashModel sets their field. FlashModels written before the field
 # existed may name them in extraArgs and keep doing so; once the field is set, it decides and
@@ -100,6 +107,8 @@ MEMORY_PLAN_FLAGS: dict[str, str] = {
     "--spec-model": "remove it; a draft model's weights and KV cache are outside the memory plan",
     "--spec-tokens": "remove it; a draft model's weights and KV cache are outside the memory plan",
     "--hf-overrides": "remove it; it can change the context length and layers the memory plan counts",
+    "--lora-dtype": "remove it; the LoRA buffers are planned in the model dtype",
+    "--specialize-active-lora": "remove it; its extra CUDA graphs per adapter count are outside the memory plan",
 }
 # Flags that change where the weights, the tokenizer or the model's config come from; the value says what
 # to do instead. What runs is what spec.model names, at the revision it pins.
@@ -117,6 +126,8 @@ SOURCE_FLAGS: dict[str, str] = {
     "--hf-config-path": "remove it; the model's config comes from its own source",
     "--hf-token": "remove it and set spec.model.hub.tokenSecretRef instead",
     "--allowed-local-media-path": "remove it; requests may not read files of the engine pod",
+    # Adapters loaded at start would skip the shim's checks (rank, shapes, paths, pinned revisions).
+    "--lora-modules": "remove it and list the adapter in spec.adapters",
 }
 # Flags that load Python code or plugins into vLLM (from a path, a module or a class name): such code
 # runs past every check. Remote code of the model itself is spec.model.trustRemoteCode's, pinned.
@@ -153,6 +164,10 @@ class AcceleratorProfile:
     min_compute_capability: tuple[int, int] | None
     attention_backends: tuple[str, ...]
     default_enforce_eager: bool
+    default_max_loras: int
+    max_loras: int
+    default_max_lora_rank: int
+    max_lora_rank: int
     why: dict[str, str]
     """Why a limit above holds, by the engine field it limits (blockSize, dtype, ...): refusals say it."""
 
@@ -171,12 +186,19 @@ PROFILES: dict[str, AcceleratorProfile] = {
         # requests (docs/benchmarks/goodput.md); vLLM's memory profiler counts the graph pool inside
         # gpuMemoryUtilization.
         default_enforce_eager=False,
+        default_max_loras=4, max_loras=8, default_max_lora_rank=16, max_lora_rank=64,
         why={
             "blockSize": "the T4 attention kernel reads the KV cache in 16-token blocks",
             "dtype": "the T4 (sm_75) has no bf16 units",
             "gpuMemoryUtilization": "the CUDA context and activations need the rest of the 16 GB card",
             "maxModelLen": "longer contexts leave too little KV cache on a 16 GB card for concurrent requests",
             "maxNumSeqs": "more concurrent sequences run the card out of memory (512 does)",
+            # Provisional: the counted buffers at 1.5B (2.3 MB per rank and adapter slot) allow more; the
+            # limits stand until serving through them is measured on a T4 (the graph pool with LoRA too).
+            "lora.maxLoras": "each adapter slot's buffers and its share of the CUDA graphs come out of the KV cache "
+                             "(provisional until measured on a T4)",
+            "lora.maxRank": "the buffers grow with the rank (at 1.5B, 64 x 8 slots take 1.1 GiB of the 15 GiB card; "
+                            "provisional until measured on a T4)",
         },
     ),
     # vLLM's CPU attention accepts only block sizes that are multiples of 32 and head sizes >= 32.
@@ -190,12 +212,15 @@ PROFILES: dict[str, AcceleratorProfile] = {
         # No CUDA graphs on a CPU; without eager mode vLLM's CPU backend compiles the model with
         # torch.compile at every start, which a tiny test model does not repay.
         default_enforce_eager=True,
+        default_max_loras=4, max_loras=8, default_max_lora_rank=16, max_lora_rank=64,
         why={
             "blockSize": "vLLM's CPU attention supports only such blocks",
             "dtype": "vLLM's CPU backend runs float32 or bfloat16",
             "maxModelLen": "the cpu profile's KV cache is 1 GiB",
             "maxNumSeqs": "the cpu profile's 1 GiB KV cache cannot hold more",
             "attentionBackend": "the tile kernel is a CUDA Triton kernel",
+            "lora.maxLoras": "vLLM's CPU punica kernels run every slot's adapter per step; more slows each step",
+            "lora.maxRank": "the cpu profile serves small test and development adapters",
         },
     ),
 }
@@ -226,6 +251,38 @@ class ResolvedEngine:
     attention_backend: str
     quantization: str
     """spec.model.quantization as written: auto is resolved against the checkpoint by the preflight."""
+    lora: ResolvedLora | None = None
+    """None: no LoRA (the config has no lora section)."""
+
+
+DEFAULT_MAX_CPU_LORAS = 16
+"""Adapters held at once when lora.maxCpuLoras is unset (at least maxLoras): host memory, not the card's."""
+
+
+@dataclass(frozen=True)
+class ResolvedLora:
+    """The LoRA limits after the profile's defaults: vLLM's flags and the memory plan's buffers."""
+
+    max_loras: int
+    max_rank: int
+    max_cpu_loras: int
+
+
+def _lora(config: EngineConfig, profile: AcceleratorProfile, problems: list[str]) -> ResolvedLora | None:
+    lora = config.lora
+    if lora is None:
+        return None
+    max_loras = lora.max_loras if lora.max_loras is not None else profile.default_max_loras
+    max_rank = lora.max_rank if lora.max_rank is not None else profile.default_max_lora_rank
+    for key, value, limit in (("maxLoras", max_loras, profile.max_loras), ("maxRank", max_rank, profile.max_lora_rank)):
+        if value > limit:
+            problems.append(f"lora.{key} is {value}; it must be <= {limit} on {profile.name}: "
+                            f"{profile.why['lora.' + key]}")
+    cpu = lora.max_cpu_loras if lora.max_cpu_loras is not None else max(max_loras, DEFAULT_MAX_CPU_LORAS)
+    if cpu < max_loras:
+        problems.append(f"lora.maxCpuLoras is {cpu}, below lora.maxLoras {max_loras}: vLLM holds every adapter "
+                        f"a batch uses in host memory too; raise it to at least {max_loras}")
+    return ResolvedLora(max_loras=max_loras, max_rank=max_rank, max_cpu_loras=cpu)
 
 
 # Refused whatever the cluster admin's extension says: the flags the profile, the memory plan, the model's
@@ -529,6 +586,7 @@ def resolve(config: EngineConfig, options: Options | None = None, *, strict: boo
             f"engine.attentionBackend is {e.attention_backend}; allowed on {profile.name}: "
             f"{', '.join(profile.attention_backends)} ({profile.why['attentionBackend']})"
         )
+    lora = _lora(config, profile, problems)
     quantization = config.model.quantization
     if quantization not in ("auto", "none"):
         problems.extend(method_problems(quantization, profile.name, dtype))
@@ -543,7 +601,7 @@ def resolve(config: EngineConfig, options: Options | None = None, *, strict: boo
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=mnbt,
         enforce_eager=profile.default_enforce_eager if e.enforce_eager is None else e.enforce_eager,
         enable_prefix_caching=e.enable_prefix_caching,
-        attention_backend=e.attention_backend, quantization=quantization,
+        attention_backend=e.attention_backend, quantization=quantization, lora=lora,
     )
 
 
@@ -578,6 +636,10 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
         "--max-model-len", str(r.max_model_len),
         "--max-num-batched-tokens", str(r.max_num_batched_tokens),
         "--shutdown-timeout", str(math.ceil(config.server.drain_timeout_seconds)),
+        # Always, LoRA or not: vLLM's port also carries its control routes (runtime LoRA, dev mode,
+        # elastic EP), and the Service and the gateway expose that port to every client
+        # (engine_guard). --middleware is a CODE_FLAGS flag, so extraArgs cannot add another.
+        "--middleware", GUARD_MIDDLEWARE,
     ]
     if r.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
@@ -605,6 +667,9 @@ def vllm_args(config: EngineConfig, checkpoint_method: str | None = None) -> lis
         args.append("--trust-remote-code")
     if config.observability.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", config.observability.otlp_traces_endpoint]
+    if r.lora is not None:
+        args += ["--enable-lora", "--max-loras", str(r.lora.max_loras), "--max-lora-rank", str(r.lora.max_rank),
+                 "--max-cpu-loras", str(r.lora.max_cpu_loras)]
     return args
 
 
@@ -619,4 +684,9 @@ def vllm_env(config: EngineConfig) -> dict[str, str]:
         # spans from another's in the collector (the SDK's default is unknown_service).
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = config.observability.otlp_traces_protocol
         env["OTEL_SERVICE_NAME"] = config.model.served_name
+    if config.lora is not None:
+        # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this; the shim's
+        # PUT /adapters calls them (on the engine port, behind the API key when one is set, and
+        # answered only with the control token: engine_guard.ControlRoutes).
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env

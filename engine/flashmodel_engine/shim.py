@@ -1,4 +1,4 @@
-"""The health shim: /livez /readyz /startupz /prewarm /metrics /health/poll beside vLLM, owning the engine process."""
+"""The health shim: probes, /prewarm, /metrics, /health/poll and /adapters beside vLLM, owning the engine process."""
 
 from __future__ import annotations
 
@@ -15,8 +15,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from flashmodel_engine.adapters import (
+    AdapterError,
+    AdapterRegistry,
+    BadAdapterSet,
+    BaseShapes,
+    parse_adapter_set,
+)
 from flashmodel_engine.config import EngineConfig
 from flashmodel_engine.contract import (
+    ADAPTERS_PATH,
     HEALTH_POLL_PATH,
     LIVENESS_PATH,
     METRICS_PATH,
@@ -26,6 +34,7 @@ from flashmodel_engine.contract import (
     health_poll_state,
     parse_health_poll_wait,
 )
+from flashmodel_engine.engine_guard import CONTROL_HEADER
 from flashmodel_engine.engine_process import EngineProcess
 from flashmodel_engine.metrics import EngineMetrics, EngineSample, MemoryReader, parse_vllm_metrics
 from flashmodel_engine.prewarm import MAX_BATCH_REQUESTS, PrewarmResult, run_prewarm
@@ -113,6 +122,84 @@ def parse_prewarm_body(raw: bytes, default_requests: int) -> tuple[int, list[str
     return requests, prompts or None
 
 
+ADAPTER_GENERATION_TOKENS = 4
+"""max_tokens of the one generation that proves an adapter answers (at load and at prewarm)."""
+ADAPTER_CALL_SECONDS = 120.0
+"""vLLM's load and unload calls and an adapter's generation: a load reads the weights from the volume."""
+
+
+def base_model_config(config: EngineConfig) -> dict[str, Any]:
+    """The base model's config.json (text part): from its folder, or from the hub cache vLLM filled."""
+    folder = Path(config.model.path)
+    found: Path | None = folder / "config.json" if folder.is_dir() else None
+    if found is None:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(config.model.path, "config.json", revision=config.model.revision)
+        found = Path(cached) if isinstance(cached, str) else None
+    if found is None:
+        raise AdapterError(f"the base model's config.json is not at {config.model.path} nor in the hub cache; "
+                           "adapters cannot be checked against it")
+    try:
+        data = json.loads(found.read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"the base model's {found} cannot be read ({e})") from None
+    text = data.get("text_config") if isinstance(data, dict) else None
+    return {**data, **text} if isinstance(text, dict) else dict(data)
+
+
+class VllmAdapters:
+    """vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING) as the registry calls it."""
+
+    def __init__(self, shim: EngineShim) -> None:
+        self.shim = shim
+
+    async def _post(self, path: str, body: dict[str, Any], *, control: bool = False) -> tuple[int, str]:
+        s = self.shim
+        headers = dict(s.headers)
+        if control and s.control_token is not None:
+            # vLLM's loading routes answer only this token (engine_guard): the port is the clients' too.
+            headers[CONTROL_HEADER] = s.control_token
+        try:
+            async with s.session.post(s.base_url + path, json=body, headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=ADAPTER_CALL_SECONDS)) as resp:
+                return resp.status, await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise AdapterError(f"vLLM {path} did not answer ({type(e).__name__}: {e})") from None
+
+    async def load(self, name: str, path: Path) -> None:
+        body = {"lora_name": name, "lora_path": str(path)}
+        status, text = await self._post("/v1/load_lora_adapter", body, control=True)
+        if status == 400 and "already been loaded" in text:
+            # vLLM still holds the name (an unload that failed): the set's files replace it.
+            await self.unload(name)
+            status, text = await self._post("/v1/load_lora_adapter", body, control=True)
+        if status != 200:
+            raise AdapterError(f"vLLM refused to load it ({status}: {_vllm_message(text)})")
+
+    async def unload(self, name: str) -> None:
+        status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": name}, control=True)
+        if status not in (200, 404):
+            raise AdapterError(f"vLLM refused to unload it ({status}: {_vllm_message(text)})")
+
+    async def generate(self, name: str) -> None:
+        s = self.shim
+        body = {"model": name, "prompt": READINESS_PROMPT, "max_tokens": ADAPTER_GENERATION_TOKENS, "temperature": 0}
+        s._own_requests += 1
+        status, text = await self._post("/v1/completions", body)
+        if status != 200:
+            raise AdapterError(f"a generation through it answered {status}: {_vllm_message(text)}")
+        with contextlib.suppress(ValueError, AttributeError):
+            s._own_tokens += float((json.loads(text).get("usage") or {}).get("completion_tokens") or 0)
+
+
+def _vllm_message(text: str) -> str:
+    """vLLM's error message out of its JSON answer, else the text, short."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return str(json.loads(text)["error"]["message"])[:300]
+    return text[:300]
+
+
 class EngineShim:
     """Owns the vLLM process for the probes: startup, readiness, prewarm, metrics, drain state."""
 
@@ -162,6 +249,20 @@ class EngineShim:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self.adapters: AdapterRegistry | None = None
+        """The LoRA adapters (None: the config has no lora section and vLLM serves none)."""
+        if config.lora is not None and resolved.lora is not None:
+            self.adapters = AdapterRegistry(
+                VllmAdapters(self), base=self._base_shapes, max_rank=resolved.lora.max_rank,
+                max_adapters=resolved.lora.max_cpu_loras, roots=list(config.lora.adapter_roots),
+                hub_cache_dir=config.lora.hub_cache_dir,
+                generation=lambda: self.engine.generation, on_change=self.metrics.set_adapter)
+        self._shapes: BaseShapes | None = None
+
+    def _base_shapes(self) -> BaseShapes:
+        if self._shapes is None:
+            self._shapes = BaseShapes.from_config(base_model_config(self.config))
+        return self._shapes
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -175,6 +276,8 @@ class EngineShim:
             web.get(PREWARM_PATH, self.handle_prewarm_get),
             web.get(METRICS_PATH, self.handle_metrics),
             web.get(HEALTH_POLL_PATH, self.handle_health_poll),
+            web.put(ADAPTERS_PATH, self.handle_adapters_put),
+            web.get(ADAPTERS_PATH, self.handle_adapters_get),
         ])
         return app
 
@@ -331,6 +434,9 @@ class EngineShim:
                                    batch=self.prewarm_batch)
         self._own_requests += result.requests + result.batched
         self._own_tokens += result.completion_tokens
+        if result.ok and self.adapters is not None:
+            # The base model stays ready whatever an adapter does: a failing one is marked failed.
+            await self.adapters.prewarm()
         self.prewarm_result = result
         if result.ok:
             self.prewarmed_generation = self.engine.generation
@@ -351,6 +457,16 @@ class EngineShim:
             log.warning("event=prewarm-done ok=false error=%r", result.error)
         return result
 
+    async def await_adapters(self) -> None:
+        """Before the prewarm at start: the operator's first PUT /adapters, for at most lora.awaitAdaptersSeconds."""
+        if self.adapters is None or self.config.lora is None:
+            return
+        wait = self.config.lora.await_adapters_seconds
+        try:
+            await asyncio.wait_for(self.adapters.received.wait(), wait)
+        except TimeoutError:
+            log.warning("event=adapters-not-received wait_s=%s effect='prewarm runs for the base model alone'", wait)
+
     # -- sampling --------------------------------------------------------------------------------
 
     async def _sample_loop(self) -> None:
@@ -364,6 +480,8 @@ class EngineShim:
     async def sample_once(self) -> None:
         m = self.metrics
         m.generation.set(self.engine.generation)
+        if self.adapters is not None:
+            self.adapters.forget_restarted()
         pid = self.engine.pid
         if pid is None or not self.engine.alive():
             m.engine_up.set(0)
@@ -431,6 +549,28 @@ class EngineShim:
             return _reply(503, False, "engine is still loading; retry when /startupz answers 200")
         result = await self.prewarm(requests, prompts)
         return web.json_response(result.to_json(), status=200 if result.ok else 502)
+
+    async def handle_adapters_put(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return _reply(401, False, f"PUT {ADAPTERS_PATH} answers only the operator: send its token as "
+                                      "Authorization: Bearer <token> (the model's <name>-shim Secret)")
+        if self.adapters is None:
+            return _reply(404, False, "this engine serves no LoRA adapters: its config has no lora section")
+        try:
+            desired = parse_adapter_set(await request.read(), served_name=self.config.model.served_name,
+                                        max_adapters=self.adapters.max_adapters)
+        except BadAdapterSet as e:
+            return _reply(400, False, str(e))
+        if self.draining:
+            return _reply(503, False, "draining: adapters are not loaded during shutdown")
+        if not self.started or not self.engine.alive():
+            return _reply(503, False, "engine is still loading; retry when /startupz answers 200")
+        return web.json_response(await self.adapters.reconcile(desired))
+
+    async def handle_adapters_get(self, request: web.Request) -> web.Response:
+        if self.adapters is None:
+            return _reply(404, False, "this engine serves no LoRA adapters: its config has no lora section")
+        return web.json_response(self.adapters.answer())
 
     async def handle_prewarm_get(self, request: web.Request) -> web.Response:
         if self.prewarm_result is None:

@@ -65,7 +65,7 @@ def test_source_and_code_flags_are_refused_however_spelt(
     ["--generation-config", "vllm"], ["--chat-template", "/etc/flashmodel/control/token"],
     ["--enable-prompt-embeds"], ["--enable-sleep-mode"], ["--api-server-count", "2"], ["--model-impl", "vllm"],
     ["--disable-log-stats"], ["--skip-tokenizer-init"], ["--allowed-origins", "[\"*\"]"], ["--ssl-keyfile", "/k"],
-    ["--enable-lora"], ["--tool-server", "demo"], ["--trust-request-chat-template"], ["--headless"],
+    ["--fully-sharded-loras"], ["--tool-server", "demo"], ["--trust-request-chat-template"], ["--headless"],
     ["--max-logprobs", "-1"], ["--logprobs-mode", "processed_logits"],
 ])
 @pytest.mark.parametrize(("options", "strict"), WHERE)
@@ -87,10 +87,10 @@ def test_an_abbreviation_of_a_flag_off_the_list_is_refused_in_its_full_name(opti
 @pytest.mark.parametrize(("options", "strict"), WHERE)
 def test_a_negation_is_judged_on_its_own(options: Any, strict: bool) -> None:
     # --enable-log-requests and its negation are both listed; --disable-fastapi-docs's negation too;
-    # --enable-lora is not, so neither is its negation, though both share one dest.
+    # --fully-sharded-loras is not, so neither is its negation, though both share one dest.
     assert check_extra_args(["--no-enable-log-requests", "--no-disable-fastapi-docs"], options, strict=strict) == []
-    problems = check_extra_args(["--no-enable-lora"], options, strict=strict)
-    assert len(problems) == 1 and "--no-enable-lora is not on the allow-list" in problems[0], problems
+    problems = check_extra_args(["--no-fully-sharded-loras"], options, strict=strict)
+    assert len(problems) == 1 and "--no-fully-sharded-loras is not on the allow-list" in problems[0], problems
 
 
 @pytest.mark.parametrize("flag", sorted(ALLOWED_FLAGS))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 from typing import Any
 
 import pytest
 from flashmodel_engine.config import parse_config
+from flashmodel_engine.engine_guard import MIDDLEWARE
 from flashmodel_engine.preflight import run_preflight
 from flashmodel_engine.profiles import ProfileError, check_extra_args, vllm_args
 from flashmodel_engine.vllm_flags import installed_vllm_version, parser_options, resolve, vllm_parser
@@ -192,6 +195,15 @@ class TestAgainstVLLMsParser:
     def test_the_profile_value_wins_over_an_extra_arg_that_came_earlier(self, parser: Any) -> None:
         ns = parser.parse_args(["--max-model-len", "2048", "--max-model-len", "1024"])
         assert ns.max_model_len == 1024
+
+    def test_the_control_route_guard_reaches_vllm_as_its_only_middleware(self, parser: Any) -> None:
+        config = parse_config({"accelerator": "cpu", "model": {"path": "/m", "servedName": "m"},
+                               "engine": {"extraArgs": ["--seed", "1"]}})
+        ns = parser.parse_args(vllm_args(config))
+        assert ns.middleware == [MIDDLEWARE]
+        # As vLLM loads it (init_entrypoints_middleware): a class, given to app.add_middleware.
+        module, name = MIDDLEWARE.rsplit(".", 1)
+        assert inspect.isclass(getattr(importlib.import_module(module), name))
 
     def test_hub_revision_and_tracing_flags_reach_vllms_settings(self, parser: Any) -> None:
         config = parse_config({"accelerator": "t4",
