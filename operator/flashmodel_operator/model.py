@@ -663,12 +663,11 @@ class LoraLimits:
     default_rank: int
 
 
-# engine profiles.py holds the same limits after merge
+# The engine's accelerator profiles are the one source of the limits; the spec states them in the CRD.
 LORA_LIMITS: dict[str, LoraLimits] = {
-    # A 12 MB rank-16 adapter of a 1.5B model; vLLM reserves max_loras x max_rank slots on the card, so the
-    # T4's 16 GB bounds both (the memory plan counts them).
-    "t4": LoraLimits(max_loras=8, max_rank=64, default_loras=4, default_rank=16),
-    "cpu": LoraLimits(max_loras=8, max_rank=64, default_loras=4, default_rank=16),
+    name: LoraLimits(max_loras=p.max_loras, max_rank=p.max_lora_rank, default_loras=p.default_max_loras,
+                     default_rank=p.default_max_lora_rank)
+    for name, p in PROFILES.items()
 }
 LORA_RANKS = (8, 16, 32, 64)
 """vLLM's --max-lora-rank values (its MaxLoRARanks) up to the largest any profile allows."""

@@ -134,9 +134,6 @@ def engine_args(config: dict[str, Any]) -> list[str]:
     from flashmodel_engine.config import EngineConfig
     from flashmodel_engine.profiles import vllm_args
 
-    # MERGE: the engine branch adds the `lora` section to EngineConfig (and --enable-lora to vllm_args);
-    # until then this branch's EngineConfig forbids it. Drop this line at merge.
-    config = {k: v for k, v in config.items() if k != "lora"}
     return vllm_args(EngineConfig.model_validate(config))
 
 

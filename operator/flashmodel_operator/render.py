@@ -202,15 +202,19 @@ def engine_config(fm: FlashModel) -> dict[str, Any]:
 
 
 def lora_section(fm: FlashModel) -> dict[str, Any] | None:
-    """The engine config's `lora` section (vLLM's --enable-lora, --max-loras, --max-lora-rank), or None when off.
-
-    MERGE: the engine's EngineConfig gains this section in the engine branch (its LoraSettings); until
-    then reconcile.engine_args leaves it out of the check against the engine's model.
-    """
+    """The engine config's `lora` section (the engine's LoraSettings: vLLM's --enable-lora, --max-loras,
+    --max-lora-rank), or None when off."""
     if not fm.spec.lora_on:
         return None
     max_loras, max_rank = fm.spec.lora_limits()
-    return {"maxLoras": max_loras, "maxRank": max_rank}
+    # Where the shim may read adapters: their own volumes, and the model's claim or image (an adapter
+    # beside the model reads from there). Fixed per model source, so adding an adapter keeps the config.
+    roots = [ADAPTERS_DIR]
+    if fm.spec.model.pvc is not None:
+        roots.append("/models")
+    if fm.spec.model.image is not None:
+        roots.append("/model-image")
+    return {"maxLoras": max_loras, "maxRank": max_rank, "adapterRoots": roots}
 
 
 _CONFIG_YAML: dict[str, str] = {}

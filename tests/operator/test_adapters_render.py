@@ -90,9 +90,11 @@ def test_lora_is_on_with_adapters_or_spec_lora_and_takes_the_profiles_defaults()
 
 def test_the_engine_config_gets_the_lora_section_only_when_lora_is_on() -> None:
     assert "lora" not in engine_config(model([]))
-    # MERGE: the engine branch's EngineConfig checks this section (tests/crd/test_model_agrees.py).
-    assert engine_config(model([SUPPORT]))["lora"] == {"maxLoras": 4, "maxRank": 16}
-    assert engine_config(model([], lora={"maxRank": 32}))["lora"] == {"maxLoras": 4, "maxRank": 32}
+    # The shim reads adapters from their volumes and from the model's own claim, whatever the set holds.
+    roots = ["/adapters", "/models"]
+    assert engine_config(model([SUPPORT]))["lora"] == {"maxLoras": 4, "maxRank": 16, "adapterRoots": roots}
+    lora_32 = engine_config(model([], lora={"maxRank": 32}))["lora"]
+    assert lora_32 == {"maxLoras": 4, "maxRank": 32, "adapterRoots": roots}
     # The adapters themselves are not in the config: they are loaded at run time.
     assert "support" not in str(engine_config(model([SUPPORT])))
     # The reconcile's check of the config against the engine's model passes with the section.
