@@ -69,7 +69,9 @@ def gateway_api_crds() -> list[dict[str, Any]]:
         return {
             "apiVersion": "apiextensions.k8s.io/v1",
             "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{GATEWAY_GROUP}"},
+            # *.k8s.io groups need this annotation; the Gateway API's own CRDs carry the same one.
+            "metadata": {"name": f"{plural}.{GATEWAY_GROUP}",
+                         "annotations": {"api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api/pull/1538"}},
             "spec": {
                 "group": GATEWAY_GROUP,
                 "scope": "Namespaced",
