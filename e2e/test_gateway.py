@@ -224,42 +224,50 @@ def test_a_pod_with_a_long_queue_gets_fewer_new_requests(control_plane: ControlP
     cp, ns = control_plane, front.ns
     (busy, idle), _ = roles(cp, ns, CHAT)
     engine = front.engines.pods[busy].engine.removeprefix("http://")
+    host, port = engine.split(":")
     stop = threading.Event()
     held: list[http.client.HTTPConnection] = []
 
     def hold_busy(i: int) -> None:
-        # Long streamed generations straight at one pod's engine; closing the stream ends them (vLLM aborts).
-        host, port = engine.split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=600)
-        held.append(conn)
-        body = json.dumps({"model": SERVED_NAME, "prompt": f"long {i}", "max_tokens": 400, "ignore_eos": True,
-                           "stream": True})
-        try:
-            conn.request("POST", "/v1/completions", body=body,
-                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
-            resp = conn.getresponse()
-            while not stop.is_set() and resp.read1(1024):
+        # Long streamed generations straight at one pod's engine, one after another, so its queue stays
+        # long for the whole measurement; closing a stream ends its generation (vLLM aborts it).
+        while not stop.is_set():
+            conn = http.client.HTTPConnection(host, int(port), timeout=600)
+            held.append(conn)
+            body = json.dumps({"model": SERVED_NAME, "prompt": f"long {i}", "max_tokens": 400, "ignore_eos": True,
+                               "stream": True})
+            try:
+                conn.request("POST", "/v1/completions", body=body,
+                             headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+                resp = conn.getresponse()
+                while not stop.is_set() and resp.read1(1024):
+                    pass
+            except OSError:
                 pass
-        except OSError:
-            pass
+            finally:
+                conn.close()
 
-    threads = [threading.Thread(target=hold_busy, args=(i,), daemon=True) for i in range(16)]
+    threads = [threading.Thread(target=hold_busy, args=(i,), daemon=True) for i in range(24)]
     for t in threads:
         t.start()
+    queue: list[float] = []
+    answers: list[Answer] = []
     try:
-        # maxNumSeqs is 8: the other eight wait in the busy engine's queue, which the picker scrapes.
-        wait_for(f"a queue on {busy}", lambda: _waiting(engine) >= 4, timeout=60, interval=0.5)
-        answers = [ask(front, chat_headers(), prompt=f"short question {i}", max_tokens=2) for i in range(10)]
-        queued_after = _waiting(engine)
+        # maxNumSeqs is 8: the other sixteen wait in the busy engine's queue, which the picker scrapes.
+        wait_for(f"a queue on {busy}", lambda: _waiting(engine) >= 8, timeout=60, interval=0.5)
+        for i in range(10):
+            answers.append(ask(front, chat_headers(), prompt=f"short question {i}", max_tokens=2))
+            queue.append(_waiting(engine))
     finally:
         stop.set()
-        for conn in held:
+        for conn in list(held):
             conn.close()
     assert all(a.status == 200 for a in answers), [(a.status, a.body[:200]) for a in answers]
+    assert min(queue) >= 4, f"the busy pod's queue ran dry during the measurement: {queue}"
     pods = served_by(front, answers)
     to_busy, to_idle = pods.count(busy), pods.count(idle)
-    print(f"bench: with {busy} queueing (waiting>={queued_after:.0f} after), new requests went {to_busy} to it, "
-          f"{to_idle} to {idle}")
+    print(f"bench: with {busy} queueing ({min(queue):.0f}-{max(queue):.0f} waiting), new requests went {to_busy} "
+          f"to it, {to_idle} to {idle}")
     assert to_idle >= 8 and to_busy <= 2, pods
     wait_for(f"{busy}'s queue drained", lambda: _waiting(engine) == 0, timeout=120, interval=1)
 
@@ -337,7 +345,9 @@ def test_only_serving_pods_get_requests_and_a_remediation_through_the_gateway_lo
 
     threads = [threading.Thread(target=timeline.poll, daemon=True),
                *(threading.Thread(target=client, daemon=True) for _ in range(2))]
-    for t in threads:
+    threads[0].start()
+    wait_for("the first look at the pods", lambda: timeline.seen, timeout=30)
+    for t in threads[1:]:
         t.start()
     try:
         wait_for("requests flowing", lambda: len(answers) >= 6, timeout=60)
