@@ -435,7 +435,7 @@ def on_picker_event(body: kopf.Body, namespace: str | None, type: str | None, **
     if owner is None or namespace is None or type == "DELETED":
         return
     available = int((body.get("status") or {}).get("availableReplicas") or 0) >= 1
-    model = FLASHMODELS.latest(namespace, owner) or {}
+    model = FLASHMODELS.latest(namespace, owner) or cluster().get_flashmodel(namespace, owner) or {}
     routing = (model.get("status") or {}).get("routing") or {}
     if routing and bool(routing.get("pickerReady")) != available:
         _reconcile_latest(namespace, owner)
