@@ -373,7 +373,8 @@ def test_only_serving_pods_get_requests_and_a_remediation_through_the_gateway_lo
     # False on its next sync once the operator closes the prewarm gate (standby, drain).
     unready = [(a.client_id, pod, starts[a.client_id]) for a, pod in sent
                if pod not in timeline.near(starts[a.client_id], slack=1.0, which="ready")]
-    gate_closed = [a.client_id for a, pod in sent if pod not in timeline.near(starts[a.client_id], slack=0, which="gated")]
+    gate_closed = [a.client_id for a, pod in sent
+                   if pod not in timeline.near(starts[a.client_id], slack=0, which="gated")]
     print(f"bench: remediation through the gateway: {len(answers)} requests, none lost; to the drained pod "
           f"{pods.count(first)} ({len(gate_closed)} of them after its gate closed, before the kubelet turned it "
           f"unready), to the promoted standby {pods.count(standby)}, to {second} {pods.count(second)}")
