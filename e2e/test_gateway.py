@@ -143,7 +143,7 @@ def _model_ready(cp: ControlPlane, ns: str, model: str, serving: int, standby: i
 
 @pytest.fixture(scope="module")
 def front(
-    engine_python: str, control_plane: ControlPlane, operator: Path, gateway_parts: Path, tiny_model: Path,
+    gateway_parts: Path, engine_python: str, control_plane: ControlPlane, operator: Path, tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Front]:
     cp = control_plane
