@@ -643,8 +643,10 @@ class GatewayController:
         config.write_text(yaml.safe_dump(envoy_config(self.port, self.admin_port, routes, self.access_log)))
         with (self.workdir / "envoy.log").open("ab") as out:
             self.proc = subprocess.Popen(
+                # The access log (which pod served each request, for the tests) is flushed every 100 ms,
+                # not Envoy's default 10 s.
                 [str(self.envoy), "-c", str(config), "--log-level", "warn", "--base-id", str(self.port),
-                 "--concurrency", "1"],
+                 "--concurrency", "1", "--file-flush-interval-msec", "100"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         self.routes = routes
