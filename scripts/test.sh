@@ -5,7 +5,7 @@
 #   bash scripts/test.sh --tier unit              # lint and the tests that need neither part: no set-up
 #   bash scripts/test.sh --tier control-plane     # one tier (repeat --tier for several); set-up first
 #   bash scripts/test.sh --tier unit tests/operator -k render   # further arguments go to pytest
-#   bash scripts/test.sh --setup-only             # only the set-up (the control plane's binaries, the gateway's, the engine venv)
+#   bash scripts/test.sh --setup-only             # only the set-up (control plane, gateway parts, engine venv)
 #
 # Tiers (conftest.py derives a test's tier from the fixtures it uses):
 #   unit           ruff, mypy (the product's, then bench/'s own: bench/pyproject.toml) and the tests that
