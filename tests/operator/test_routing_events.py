@@ -1,4 +1,4 @@
-"""The NoReadyEndpoint event: a routed model whose pool loses its last ready pod says so, once, on the real API server."""
+"""The NoReadyEndpoint event: a routed model whose pool loses its last ready pod says so, once (real API server)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from e2e.harness.cluster import ControlPlane
 from tests.operator.specs import apply_model, get_model
 
 ROOT = Path(__file__).resolve().parents[2]
-POOL_CRD = ROOT / "charts" / "flashmodel-operator" / "files" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
+CHART_CRDS = ROOT / "charts" / "flashmodel-operator" / "files" / "crds"
+POOL_CRD = CHART_CRDS / "inference.networking.k8s.io_inferencepools.yaml"
 PVC_MODEL = {"pvc": {"claimName": "models", "path": "qwen"}, "servedName": "qwen"}
 
 
