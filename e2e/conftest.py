@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from e2e.harness.operator_run import (
     scrape,
     service_account_kubeconfig,
 )
+from tests.support.parts import missing_part
 
 REMEDIATION_BACKOFF_SECONDS = 30
 """The operator's back-off between remediations of one model in e2e (production: 60 s): long
@@ -32,6 +34,17 @@ def tiny_model() -> Path:
     from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def gateway_parts() -> Path:
+    """The gateway's EPP and Envoy (scripts/gateway.sh): FLASHMODEL_GATEWAY, else under the cache."""
+    cache = Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel"))
+    parts = Path(os.environ.get("FLASHMODEL_GATEWAY") or cache / "gateway")
+    absent = [p for p in ("epp", "envoy") if not os.access(parts / p, os.X_OK)]
+    if absent:
+        missing_part(f"the gateway parts at {parts} lack {', '.join(absent)}: run scripts/gateway.sh")
+    return parts
 
 
 @pytest.fixture(scope="session")

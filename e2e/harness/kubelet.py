@@ -472,7 +472,12 @@ class EngineKubelet:
             # would kill every engine as "gone" and start them again when the API server answers.
             raise KubeletSyncError(f"cannot list pods in {self.namespace}: {out.stderr.strip()[:200]}")
         items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
-        return [p for p in items if (p["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/status") == "custom"]
+        # The endpoint pickers' pods are left to kwok's custom status too, and run by e2e/harness/gateway.py.
+        return [
+            p for p in items
+            if (p["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/status") == "custom"
+            and (p["metadata"].get("labels") or {}).get("app.kubernetes.io/name") != "flashmodel-epp"
+        ]
 
     def sync_once(self) -> None:
         seen: set[str] = set()

@@ -35,6 +35,7 @@ from flashmodel_operator.reconcile import (
     referenced_secrets,
     retain_models,
 )
+from flashmodel_operator.routing import PICKER_LABEL
 from flashmodel_operator.settings import current
 from flashmodel_operator.tracing import traced
 from flashmodel_operator.watched_models import WatchedModels
@@ -426,6 +427,20 @@ def on_deployment_event(body: kopf.Body, namespace: str | None, type: str | None
     _child_going(namespace, owner, type, body)
     if type != "DELETED":
         reconcile_for_child(namespace, owner)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={PICKER_LABEL: kopf.PRESENT})
+def on_picker_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
+    # The picker's availability is the Routing condition, which only a full pass observes (a child's
+    # pass keeps it as it was): a pass when it differs from what the model's status says.
+    owner = _owner_name(body)
+    if owner is None or namespace is None or type == "DELETED":
+        return
+    available = int((body.get("status") or {}).get("availableReplicas") or 0) >= 1
+    model = FLASHMODELS.latest(namespace, owner) or cluster().get_flashmodel(namespace, owner) or {}
+    routing = (model.get("status") or {}).get("routing") or {}
+    if routing and bool(routing.get("pickerReady")) != available:
+        _reconcile_latest(namespace, owner)
 
 
 # Registered before on_pod_event: kopf runs a pod's event handlers in this order, and a new pod's

@@ -41,7 +41,7 @@ from flashmodel_operator.render import (
     selector_string,
     standby_count,
 )
-from flashmodel_operator.routing_reconcile import RoutingState, reconcile_routing
+from flashmodel_operator.routing_reconcile import RoutingState, reconcile_routing, warn_no_ready_endpoint
 from flashmodel_operator.settings import current
 from flashmodel_operator.watched_models import WatchedModels
 
@@ -502,6 +502,7 @@ def _observe(
     if obs.unschedulable is not None and not was_unschedulable:
         # News once, when it starts; the scheduler's own FailedScheduling events on the pod repeat.
         cluster.event(body, "Warning", "Unschedulable", obs.unschedulable)
+    warn_no_ready_endpoint(cluster, body, fm, status.get("readyReplicas"), obs.ready_replicas, desired)
     standby = sum(1 for p in current_pods if gate_is_standby(p) and not p["metadata"].get("deletionTimestamp"))
     counts = (desired, obs.ready_replicas, obs.prewarmed_replicas, standby)
     for state, value in zip(REPLICA_STATES, counts, strict=True):

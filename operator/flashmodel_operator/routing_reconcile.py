@@ -156,3 +156,23 @@ def _remove(
     if deleted:
         cluster.event(body, "Normal", "Deleted", f"deleted {', '.join(deleted)}: {why}")
         log.info("event=routing-children-deleted model=%s/%s why=%r", fm.namespace, fm.name, why)
+
+
+def warn_no_ready_endpoint(
+    cluster: Cluster, body: dict[str, Any], fm: FlashModel, ready_before: int | None, ready_now: int, desired: int
+) -> bool:
+    """A Warning `NoReadyEndpoint` when a routed model's pool loses its last ready pod; whether one was sent.
+
+    Once, when it happens (the pass that sees the ready count fall to zero from above it): the
+    picker then answers every request for the model with 503. Not while a new model's first pods
+    load (nothing was lost), nor for a model scaled to zero on purpose.
+    """
+    if fm.spec.routing is None or desired == 0 or ready_now > 0 or not ready_before:
+        return False
+    cluster.event(
+        body, "Warning", "NoReadyEndpoint",
+        f"the InferencePool {fm.name} has no ready pod (it had {ready_before}): the endpoint picker "
+        f"{picker_name(fm)} answers this model's requests through the Gateway with 503 until a pod is ready again",
+    )
+    log.warning("event=no-ready-endpoint model=%s/%s ready_before=%d", fm.namespace, fm.name, ready_before)
+    return True

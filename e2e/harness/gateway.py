@@ -1,0 +1,676 @@
+"""The gateway for e2e: the operator's endpoint pickers run for real, and Envoy in front as GIE's standalone gateway.
+
+Two parts, each playing a role a cluster would give to someone else:
+
+- `PickerKubelet` plays the kubelet for the EPP pods the operator's picker Deployments create: it
+  starts the real EPP v1.5.0 binary (scripts/gateway.sh builds it) with the container's own args,
+  probes its gRPC health port as the pod's readinessProbe says, and writes the pod's status, so the
+  Deployment's availability (the operator's Routing condition) follows the real process.
+- `GatewayController` plays a GIE-aware Gateway's controller for one Gateway: for each HTTPRoute
+  attached to it, an Envoy route that matches the route's headers and asks the route's pool's EPP
+  (ext_proc) which pod serves; the request goes where the EPP's `x-gateway-destination-endpoint`
+  says (an ORIGINAL_DST cluster), as in GIE's standalone chart. It writes the pools' and routes'
+  `status.parents` (Accepted), which the operator's Routing condition reads.
+
+What is translated, and why (everything else is the rendered pod's as the operator wrote it):
+- The EPP pods are adopted before they are scheduled: the harness adds kwok's "leave my status
+  alone" annotation and a toleration for the kwok nodes' taint, as it does for engine pods through
+  podTemplatePatch (the operator has no patch for picker pods).
+- Each EPP runs in this machine's network namespace (the test API server listens on loopback only,
+  which a pod's own namespace cannot reach), so its pod is like a hostNetwork pod: podIP 127.0.0.1
+  and its three ports (gRPC 9002, health 9003, metrics 9090) moved to free local ports, appended
+  as --grpc-port/--grpc-health-port/--metrics-port. The ports stay with the pod across restarts.
+- KUBECONFIG (the EPP has no --kubeconfig flag): the test API server with a token of the pod's own
+  ServiceAccount (`kubectl create token`), so the operator's Role for the picker is what it gets.
+- `--config-file /config/picker.yaml`: the ConfigMap volume's file, written to the pod's work folder.
+- Envoy has no route for requests that match no HTTPRoute (a Gateway answers those 404 itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.harness.cluster import KWOK_TOLERATION, ControlPlane, free_ports
+from e2e.harness.kubelet import CUSTOM_STATUS
+
+log = logging.getLogger(__name__)
+
+PICKER_NAME_LABEL = ("app.kubernetes.io/name", "flashmodel-epp")
+"""The label of the operator's picker pods (routing.picker_labels)."""
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+RESTART_BACKOFF_SECONDS = 5.0
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+CONTROLLER_NAME = "flashmodel.io/e2e-gateway"
+
+
+def gateway_api_crds() -> list[dict[str, Any]]:
+    """Gateway and HTTPRoute (gateway.networking.k8s.io/v1) with open schemas.
+
+    The Gateway API's own CRDs are not among the modules the set-up can fetch; the operator only
+    applies HTTPRoutes and the harness only reads them, so the kinds need to be served, not
+    validated field by field (the operator's golden tests check what it renders).
+    """
+    def crd(kind: str, plural: str) -> dict[str, Any]:
+        open_object = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        return {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            # *.k8s.io groups need this annotation; the Gateway API's own CRDs carry the same one.
+            "metadata": {"name": f"{plural}.{GATEWAY_GROUP}",
+                         "annotations": {"api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api/pull/1538"}},
+            "spec": {
+                "group": GATEWAY_GROUP,
+                "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "subresources": {"status": {}},
+                        "schema": {"openAPIV3Schema": {"type": "object",
+                                                       "properties": {"spec": open_object, "status": open_object}}},
+                    }
+                ],
+            },
+        }
+
+    return [crd("Gateway", "gateways"), crd("HTTPRoute", "httproutes")]
+
+
+def install_gateway_api(cp: ControlPlane) -> None:
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(gateway_api_crds()))
+    for plural in ("gateways", "httproutes"):
+        cp.wait_established(f"{plural}.{GATEWAY_GROUP}")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def grpc_health(port: int, service: str, timeout: float = 1.0) -> bool:
+    """grpc.health.v1.Health/Check on 127.0.0.1:port: True when SERVING."""
+    import grpc  # the engine venv has grpcio (vLLM's dependency); imported here, where it is used
+
+    # HealthCheckRequest{service = 1}; HealthCheckResponse{status = 1}, SERVING = 1: the two messages
+    # by hand, so no generated code is needed.
+    encoded = service.encode()
+    request = b"\x0a" + bytes([len(encoded)]) + encoded if encoded else b""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        try:
+            answer: bytes = check(request, timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return answer == b"\x08\x01"
+
+
+@dataclass
+class PickerPod:
+    """One EPP pod this kubelet runs."""
+
+    name: str
+    uid: str
+    workdir: Path
+    ports: dict[int, int]
+    """containerPort -> the local port it was moved to."""
+    proc: subprocess.Popen[bytes] | None = None
+    ready: bool = False
+    restarts: int = 0
+    backoff_until: float = 0.0
+    held: bool = False
+    """A test stopped it and keeps it down (like an image that no longer pulls) until `release`."""
+    health_service: str = ""
+    probe_period: float = 2.0
+    last_probe: float = 0.0
+    exit_code: int | None = None
+
+
+class PickerKubelet:
+    """Runs the real EPP for each picker pod in one namespace (see the module docstring for what is translated)."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, workdir: Path, epp: Path) -> None:
+        self.cp, self.namespace, self.workdir, self.epp = cp, namespace, workdir, epp
+        self.pods: dict[str, PickerPod] = {}
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="picker-kubelet", daemon=True)
+
+    def __enter__(self) -> PickerKubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for pod in list(self.pods.values()):
+            self._stop_process(pod)
+
+    # -- for tests -------------------------------------------------------------------------
+
+    def pod_for(self, selector: dict[str, str]) -> PickerPod | None:
+        """The running, ready picker pod whose labels match `selector` (a Service's), or None."""
+        pods = json.loads(self.cp.kubectl("get", "pods", "-n", self.namespace, "-o", "json").stdout)["items"]
+        with self.lock:
+            for pod in pods:
+                labels = pod["metadata"].get("labels") or {}
+                mine = self.pods.get(pod["metadata"]["name"])
+                if mine is not None and all(labels.get(k) == v for k, v in selector.items()):
+                    return mine
+        return None
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the pod's EPP and keep it down until `release` (the kubelet would restart it at once)."""
+        with self.lock:
+            pod = self.pods[name]
+            pod.held = True
+        self._stop_process(pod, signal.SIGKILL)
+
+    def release(self, name: str) -> None:
+        with self.lock:
+            self.pods[name].held = False
+            self.pods[name].backoff_until = 0.0
+
+    # -- the sync loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync_once()
+            except Exception:  # a failed pass must not end the kubelet; the next pass retries
+                log.exception("event=picker-kubelet-sync-failed namespace=%s", self.namespace)
+            self._stop.wait(0.5)
+
+    def sync_once(self) -> None:
+        key, value = PICKER_NAME_LABEL
+        out = self.cp.kubectl("get", "pods", "-n", self.namespace, "-l", f"{key}={value}", "-o", "json", check=False)
+        if out.returncode != 0:
+            return
+        seen: set[str] = set()
+        for pod in json.loads(out.stdout)["items"]:
+            meta, spec = pod["metadata"], pod["spec"]
+            name = meta["name"]
+            seen.add(name)
+            annotations = meta.get("annotations") or {}
+            if annotations.get("kwok.x-k8s.io/status") != "custom":
+                self._adopt(pod)
+                continue
+            if not spec.get("nodeName"):
+                continue
+            with self.lock:
+                running = self.pods.get(name)
+            if meta.get("deletionTimestamp"):
+                if running is not None:
+                    self._stop_process(running)
+                    with self.lock:
+                        self.pods.pop(name, None)
+                self.cp.kubectl("delete", "pod", name, "-n", self.namespace, "--grace-period=0", "--force",
+                                "--wait=false", check=False)
+                continue
+            if running is None:
+                running = self._new_pod(pod)
+            self._run_and_report(pod, running)
+        with self.lock:
+            gone = [p for n, p in self.pods.items() if n not in seen]
+            for p in gone:
+                self.pods.pop(p.name, None)
+        for p in gone:
+            self._stop_process(p)
+
+    def _adopt(self, pod: dict[str, Any]) -> None:
+        # What podTemplatePatch does for engine pods: kwok leaves the status to this kubelet, and the
+        # pod may land on the kwok nodes (tainted so that no other pod does).
+        tolerations = list(pod["spec"].get("tolerations") or [])
+        if KWOK_TOLERATION not in tolerations:
+            tolerations.append(KWOK_TOLERATION)
+        patch = {"metadata": {"annotations": dict(CUSTOM_STATUS)}, "spec": {"tolerations": tolerations}}
+        self.cp.kubectl("patch", "pod", pod["metadata"]["name"], "-n", self.namespace, "--type=merge",
+                        "-p", json.dumps(patch), check=False)
+
+    def _new_pod(self, pod: dict[str, Any]) -> PickerPod:
+        meta, container = pod["metadata"], pod["spec"]["containers"][0]
+        container_ports = [int(p["containerPort"]) for p in container.get("ports") or []]
+        probe = container.get("readinessProbe") or {}
+        picker = PickerPod(
+            name=meta["name"],
+            uid=meta["uid"],
+            workdir=self.workdir / meta["name"],
+            ports=dict(zip(container_ports, free_ports(len(container_ports)), strict=True)),
+            health_service=str((probe.get("grpc") or {}).get("service", "")),
+            probe_period=float(probe.get("periodSeconds", 10)),
+        )
+        picker.workdir.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            self.pods[picker.name] = picker
+        return picker
+
+    def _argv_and_env(self, pod: dict[str, Any], picker: PickerPod) -> tuple[list[str], dict[str, str]]:
+        meta, spec = pod["metadata"], pod["spec"]
+        container = spec["containers"][0]
+        args = list(container.get("args") or [])
+        # The ConfigMap volume, mounted as files in the pod's work folder.
+        mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts") or []}
+        for volume in spec.get("volumes") or []:
+            if "configMap" not in volume or volume["name"] not in mounts:
+                continue
+            raw = self.cp.kubectl("get", "configmap", volume["configMap"]["name"], "-n", self.namespace,
+                                  "-o", "json").stdout
+            folder = picker.workdir / volume["name"]
+            folder.mkdir(exist_ok=True)
+            for key, text in (json.loads(raw).get("data") or {}).items():
+                (folder / key).write_text(text)
+            mount = mounts[volume["name"]].rstrip("/")
+            args = [a.replace(mount + "/", f"{folder}/") for a in args]
+        by_name = {int(p["containerPort"]): p["name"] for p in container.get("ports") or []}
+        flags = {"grpc": "--grpc-port", "grpc-health": "--grpc-health-port", "metrics": "--metrics-port"}
+        for container_port, local in picker.ports.items():
+            flag = flags.get(by_name.get(container_port, ""))
+            if flag is None:
+                raise ValueError(f"picker pod {picker.name}: no flag known for its port {by_name.get(container_port)}")
+            args.append(f"{flag}={local}")
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(picker.workdir),
+               "KUBECONFIG": str(self._kubeconfig(spec.get("serviceAccountName") or "default", picker))}
+        fields = {"metadata.namespace": self.namespace, "metadata.name": meta["name"]}
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = item["value"]
+            elif "fieldRef" in (item.get("valueFrom") or {}):
+                env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        return [str(self.epp), *args], env
+
+    def _kubeconfig(self, account: str, picker: PickerPod) -> Path:
+        token = self.cp.kubectl("create", "token", account, "-n", self.namespace, "--duration=2h").stdout.strip()
+        admin = yaml.safe_load(self.cp.kubeconfig.read_text())
+        config = {
+            "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+            "users": [{"name": account, "user": {"token": token}}],
+            "contexts": [{"name": account, "context": {"cluster": admin["clusters"][0]["name"], "user": account,
+                                                       "namespace": self.namespace}}],
+            "current-context": account,
+        }
+        path = picker.workdir / "kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
+
+    def _run_and_report(self, pod: dict[str, Any], picker: PickerPod) -> None:
+        now = time.monotonic()
+        if picker.proc is not None and picker.proc.poll() is not None:
+            picker.exit_code = picker.proc.returncode
+            picker.proc = None
+            picker.ready = False
+            picker.restarts += 1
+            picker.backoff_until = now + RESTART_BACKOFF_SECONDS
+            log.warning("event=picker-exited pod=%s code=%s", picker.name, picker.exit_code)
+        if picker.proc is None and not picker.held and now >= picker.backoff_until:
+            argv, env = self._argv_and_env(pod, picker)
+            with (picker.workdir / "epp.log").open("ab") as out:
+                picker.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, start_new_session=True)
+            (picker.workdir / "argv.json").write_text(json.dumps(argv))
+            log.info("event=picker-started pod=%s pid=%d ports=%s", picker.name, picker.proc.pid, picker.ports)
+        if picker.proc is None:
+            picker.ready = False
+        elif now - picker.last_probe >= picker.probe_period:
+            picker.last_probe = now
+            health_port = picker.ports.get(9003)
+            picker.ready = health_port is not None and grpc_health(health_port, picker.health_service)
+        self._patch_status(pod, picker)
+
+    def _patch_status(self, pod: dict[str, Any], picker: PickerPod) -> None:
+        conditions = {c["type"]: c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+        wanted = {"PodScheduled": True, "Initialized": True, "ContainersReady": picker.ready, "Ready": picker.ready}
+        changed = [t for t, v in wanted.items() if conditions.get(t) != ("True" if v else "False")]
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        if not changed and running:
+            return
+        state: dict[str, Any] = (
+            {"running": {"startedAt": _now()}} if picker.proc is not None
+            else {"waiting": {"reason": "CrashLoopBackOff" if picker.restarts else "ContainerCreating"}}
+        )
+        container: dict[str, Any] = {
+            "name": "epp", "image": "epp:v1.5.0", "imageID": "", "ready": picker.ready,
+            "started": picker.proc is not None, "restartCount": picker.restarts, "state": state,
+            "containerID": f"proc://{picker.proc.pid if picker.proc is not None else 0}",
+        }
+        if picker.exit_code is not None:
+            container["lastState"] = {"terminated": {"exitCode": picker.exit_code, "reason": "Error"}}
+        status = {
+            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}], "hostIP": "127.0.0.1",
+            "startTime": (pod.get("status") or {}).get("startTime") or _now(),
+            "conditions": [{"type": t, "status": "True" if wanted[t] else "False", "lastTransitionTime": _now()}
+                           for t in changed],
+            "containerStatuses": [container],
+        }
+        self.cp.kubectl("patch", "pod", picker.name, "-n", self.namespace, "--subresource=status", "--type=strategic",
+                        "-p", json.dumps({"status": status}), check=False)
+
+    def _stop_process(self, picker: PickerPod, sig: int = signal.SIGTERM) -> None:
+        proc = picker.proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# -- the Gateway ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """One HTTPRoute rule's match, and the pool's picker it asks."""
+
+    name: str
+    """namespace/name of the HTTPRoute."""
+    headers: tuple[tuple[str, str], ...]
+    pool: str
+    """namespace/name of the InferencePool."""
+    picker_port: int
+    failure_mode: str
+
+
+def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_log: Path) -> dict[str, Any]:
+    """GIE's standalone Envoy (config/charts/standalone/values.yaml in v1.5.0), one ext_proc cluster per pool.
+
+    Each route asks its own pool's picker (a per-route ext_proc override of the gRPC service); the
+    ext_proc filter fails closed (`failure_mode_allow: false`, Envoy's default, written out): with
+    the picker unreachable Envoy answers 500 at once rather than sending the request anywhere.
+    """
+    big = {"thresholds": [{"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000,
+                           "max_retries": 1024}]}
+    ordered = sorted(routes, key=lambda r: (-len(r.headers), r.name))
+    pools = sorted({r.pool: r for r in ordered}.values(), key=lambda r: r.pool)
+
+    def cluster_name(pool: str) -> str:
+        return "ext_proc/" + pool
+
+    def grpc_service(route: Route) -> dict[str, Any]:
+        return {"envoy_grpc": {"cluster_name": cluster_name(route.pool), "authority": f"localhost:{route.picker_port}"},
+                "timeout": "10s"}
+
+    for r in ordered:
+        if r.failure_mode != "FailClose":
+            raise ValueError(f"route {r.name}: failureMode {r.failure_mode} is not what this harness's Gateway does; "
+                             "it fails closed only")
+    envoy_routes: list[dict[str, Any]] = [
+        {
+            "name": r.name,
+            "match": {"prefix": "/", "headers": [{"name": h, "string_match": {"exact": v}} for h, v in r.headers]},
+            "route": {"cluster": "original_destination_cluster", "timeout": "0s"},
+            "typed_per_filter_config": {
+                "envoy.filters.http.ext_proc": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                    "overrides": {"grpc_service": grpc_service(r)},
+                }
+            },
+        }
+        for r in ordered
+    ]
+    envoy_routes.append({"name": "no-route", "match": {"prefix": "/"},
+                         "direct_response": {"status": 404, "body": {"inline_string": "no HTTPRoute matches\n"}},
+                         "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+                             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                             "disabled": True}}})
+    filters: list[dict[str, Any]] = []
+    if ordered:
+        filters.append({
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": grpc_service(ordered[0]),
+                "failure_mode_allow": False,
+                "processing_mode": {
+                    "request_header_mode": "SEND", "response_header_mode": "SEND",
+                    "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
+                    "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
+                },
+                "message_timeout": "1000s",
+            },
+        })
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router", "suppress_envoy_headers": True}})
+    log_format = {
+        "start": "%START_TIME(%s.%3f)%", "upstream": "%UPSTREAM_HOST%", "code": "%RESPONSE_CODE%",
+        "flags": "%RESPONSE_FLAGS%", "route": "%ROUTE_NAME%", "id": "%REQ(X-REQUEST-ID)%",
+        "client_id": "%REQ(X-CLIENT-ID)%", "details": "%RESPONSE_CODE_DETAILS%",
+    }
+    h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {"initial_stream_window_size": 65536,
+                                                            "initial_connection_window_size": 1048576}}}}
+    picker_clusters = [
+        {
+            "name": cluster_name(r.pool),
+            "type": "STATIC",
+            "connect_timeout": "5s",
+            "lb_policy": "LEAST_REQUEST",
+            "circuit_breakers": big,
+            "health_checks": [{"timeout": "2s", "interval": "10s", "unhealthy_threshold": 3, "healthy_threshold": 2,
+                               "reuse_connection": True,
+                               "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+                               "tls_options": {"alpn_protocols": ["h2"]}}],
+            # The EPP serves ext_proc over TLS with a self-signed certificate (its --secure-serving
+            # default, which the operator keeps): encrypted, not verified, as in GIE's chart.
+            "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"validation_context": {}, "alpn_protocols": ["h2"]}}},
+            "typed_extension_protocol_options": h2,
+            "load_assignment": {"cluster_name": cluster_name(r.pool), "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                             "port_value": r.picker_port}}}}]}]},
+        }
+        for r in pools
+    ]
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                 "http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "gateway",
+                        "route_config": {"name": "gateway", "virtual_hosts": [
+                            {"name": "gateway", "domains": ["*"], "routes": envoy_routes}]},
+                        "http_filters": filters,
+                        "access_log": [{"name": "envoy.access_loggers.file", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                            "path": str(access_log), "log_format": {"json_format": log_format}}}],
+                        "use_remote_address": True,
+                    },
+                }]}],
+            }],
+            "clusters": [
+                {
+                    "name": "original_destination_cluster",
+                    "type": "ORIGINAL_DST",
+                    "connect_timeout": "5s",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "circuit_breakers": big,
+                    "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+                },
+                *picker_clusters,
+            ],
+        },
+    }
+
+
+@dataclass
+class GatewayController:
+    """A GIE-aware Gateway for the Gateway `namespace/name`: Envoy, configured from the HTTPRoutes attached to it."""
+
+    cp: ControlPlane
+    namespace: str
+    name: str
+    pickers: dict[str, PickerKubelet]
+    """namespace -> the picker kubelet of that namespace (where the pools' pickers run)."""
+    envoy: Path
+    workdir: Path
+    port: int = 0
+    admin_port: int = 0
+    routes: list[Route] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def access_log(self) -> Path:
+        return self.workdir / "access.log"
+
+    def __enter__(self) -> GatewayController:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port, self.admin_port = free_ports(2)
+        self._thread = threading.Thread(target=self._loop, name="gateway-controller", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._stop_envoy()
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Envoy's access log: one dict per finished request (start, upstream, code, flags, route, ...)."""
+        if not self.access_log.exists():
+            return []
+        return [json.loads(line) for line in self.access_log.read_text().splitlines() if line.strip()]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync_once()
+            except Exception:  # the next pass retries
+                log.exception("event=gateway-sync-failed gateway=%s/%s", self.namespace, self.name)
+            self._stop.wait(1.0)
+
+    def _attached(self) -> Iterator[dict[str, Any]]:
+        routes = json.loads(self.cp.kubectl("get", "httproutes", "-A", "-o", "json").stdout)["items"]
+        for route in routes:
+            ns = route["metadata"]["namespace"]
+            for parent in (route.get("spec") or {}).get("parentRefs") or []:
+                if parent.get("name") == self.name and parent.get("namespace", ns) == self.namespace \
+                        and parent.get("kind", "Gateway") == "Gateway":
+                    yield route
+                    break
+
+    def sync_once(self) -> None:
+        routes: list[Route] = []
+        for route in self._attached():
+            ns, rname = route["metadata"]["namespace"], route["metadata"]["name"]
+            for rule in route["spec"].get("rules") or []:
+                backend = next((b for b in rule.get("backendRefs") or [] if b.get("kind") == "InferencePool"), None)
+                if backend is None:
+                    continue
+                out = self.cp.kubectl("get", "inferencepool", backend["name"], "-n", ns, "-o", "json", check=False)
+                if out.returncode != 0:
+                    continue
+                pool = json.loads(out.stdout)
+                self._accept(pool, route)
+                ref = pool["spec"]["endpointPickerRef"]
+                port = self._picker_port(ns, ref["name"], int(ref["port"]["number"]))
+                if port is None:
+                    continue
+                for match in rule.get("matches") or [{}]:
+                    headers = tuple(sorted((h["name"].lower(), h["value"]) for h in match.get("headers") or []))
+                    routes.append(Route(f"{ns}/{rname}", headers, f"{ns}/{backend['name']}", port,
+                                        str(ref.get("failureMode", "FailClose"))))
+        if routes != self.routes or self.proc is None or self.proc.poll() is not None:
+            self._restart_envoy(routes)
+
+    def _picker_port(self, ns: str, service: str, port: int) -> int | None:
+        """The local port of the picker behind the Service's port (translated like the pod's ports)."""
+        out = self.cp.kubectl("get", "service", service, "-n", ns, "-o", "json", check=False)
+        kubelet = self.pickers.get(ns)
+        if out.returncode != 0 or kubelet is None:
+            return None
+        svc = json.loads(out.stdout)
+        pod = kubelet.pod_for(svc["spec"].get("selector") or {})
+        if pod is None:
+            return None
+        target = next((p.get("targetPort") for p in svc["spec"]["ports"] if int(p["port"]) == port), None)
+        # The picker's Service names its container port ("grpc", 9002); a number is the port itself.
+        container_port = 9002 if target == "grpc" else int(target) if isinstance(target, int) else port
+        return pod.ports.get(container_port)
+
+    def _accept(self, pool: dict[str, Any], route: dict[str, Any]) -> None:
+        parent = {"group": GATEWAY_GROUP, "kind": "Gateway", "namespace": self.namespace, "name": self.name}
+        accepted = {"type": "Accepted", "status": "True", "reason": "Accepted", "lastTransitionTime": _now(),
+                    "observedGeneration": pool["metadata"].get("generation", 1), "message": "e2e gateway"}
+        have = (pool.get("status") or {}).get("parents") or []
+        if not any(p.get("parentRef", {}).get("name") == self.name for p in have):
+            self.cp.kubectl("patch", "inferencepool", pool["metadata"]["name"], "-n", pool["metadata"]["namespace"],
+                            "--subresource=status", "--type=merge", "-p",
+                            json.dumps({"status": {"parents": [{"parentRef": parent, "conditions": [accepted]}]}}),
+                            check=False)
+        route_parents = (route.get("status") or {}).get("parents") or []
+        if not route_parents:
+            self.cp.kubectl("patch", "httproute", route["metadata"]["name"], "-n", route["metadata"]["namespace"],
+                            "--subresource=status", "--type=merge", "-p",
+                            json.dumps({"status": {"parents": [{"parentRef": parent, "controllerName": CONTROLLER_NAME,
+                                                                "conditions": [accepted]}]}}), check=False)
+
+    def _restart_envoy(self, routes: list[Route]) -> None:
+        self._stop_envoy()
+        config = self.workdir / "envoy.yaml"
+        config.write_text(yaml.safe_dump(envoy_config(self.port, self.admin_port, routes, self.access_log)))
+        with (self.workdir / "envoy.log").open("ab") as out:
+            self.proc = subprocess.Popen(
+                # The access log (which pod served each request, for the tests) is flushed every 100 ms,
+                # not Envoy's default 10 s.
+                [str(self.envoy), "-c", str(config), "--log-level", "warn", "--base-id", str(self.port),
+                 "--concurrency", "1", "--file-flush-interval-msec", "100"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.routes = routes
+        log.info("event=envoy-started pid=%d port=%d routes=%s", self.proc.pid, self.port, [r.name for r in routes])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                import urllib.request
+
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(0.2)
+        raise RuntimeError(f"Envoy did not become ready: {(self.workdir / 'envoy.log').read_text()[-2000:]}")
+
+    def _stop_envoy(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
