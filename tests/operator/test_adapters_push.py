@@ -25,6 +25,8 @@ from flashmodel_operator.render import PREWARM_GATE
 from flashmodel_operator.settings import OperatorSettings, use
 from flashmodel_operator.shim_client import parse_adapters
 
+from tests.support.local_http import serve_local
+
 SHA = "0123456789abcdef0123456789abcdef01234567"
 SUPPORT = {"name": "support", "pvc": {"claimName": "models", "path": "lora/support"}}
 TRIAGE = {"name": "triage", "hub": {"id": "acme/triage", "revision": SHA}}
@@ -82,13 +84,7 @@ class FakeShim:
                 return web.Response(text="flashmodel_engine_generation 1.0\n")
             return web.json_response({"ok": True})
 
-        app = web.Application()
-        app.router.add_route("*", "/{path:.*}", handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        self.runner, self.port = await serve_local(handle)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

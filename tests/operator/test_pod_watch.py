@@ -23,6 +23,8 @@ from flashmodel_operator.render import PREWARM_GATE
 from flashmodel_operator.settings import OperatorSettings, use
 from flashmodel_operator.shim_client import ShimClient
 
+from tests.support.local_http import serve_local
+
 
 class CountingCluster(Cluster):
     """The real Cluster class with its transport replaced: counts reads, answers with a fixed pod."""
@@ -313,13 +315,7 @@ class ShimServer:
             ok = self.ready or request.path != "/readyz"
             return web.json_response({"ok": ok}, status=200 if ok else 503)
 
-        app = web.Application()
-        app.router.add_route("GET", "/{path:.*}", handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        self.runner, self.port = await serve_local(handle, "GET")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
