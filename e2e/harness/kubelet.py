@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -143,6 +144,39 @@ def make_pod_network(n: int) -> tuple[str, str]:
 def remove_pod_network(netns: str) -> None:
     # Deleting the namespace deletes its end of the veth pair, and with it the host end.
     subprocess.run(["ip", "netns", "del", netns], check=False, capture_output=True)
+
+
+@dataclass(frozen=True)
+class ClaimMount:
+    """A persistentVolumeClaim volume as the container sees it: the claim's PV (a hostPath) at its mountPath."""
+
+    host_path: Path
+    mount_path: str
+    read_only: bool
+
+
+def in_mount_namespace(mounts: list[ClaimMount], argv: list[str]) -> list[str]:
+    """`argv` run in a private mount namespace that has each claim at its mountPath, as the kubelet mounts volumes.
+
+    The mount paths lie in top-level folders the host does not use (/adapters, /models): each gets a
+    tmpfs of its own inside the namespace, so nothing is mounted or written on the host but the empty
+    folder the tmpfs needs. The mounts end with the namespace, when the pod's last process exits.
+    """
+    script = ["set -e"]
+    for top in sorted({"/" + Path(m.mount_path).parts[1] for m in mounts}):
+        folder = Path(top)
+        folder.mkdir(exist_ok=True)
+        if any(folder.iterdir()):
+            raise ValueError(f"cannot mount a pod volume under {top}: the host folder is not empty; "
+                             "mount the claim under a top-level folder the host does not use")
+        script.append(f"mount -t tmpfs -o mode=0755 pod-volumes {shlex.quote(top)}")
+    for m in mounts:
+        target = shlex.quote(m.mount_path)
+        script += [f"mkdir -p {target}", f"mount --bind {shlex.quote(str(m.host_path))} {target}"]
+        if m.read_only:
+            script.append(f"mount -o remount,bind,ro {target}")
+    script.append('exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script), "pod-volumes", *argv]
 
 
 def _now() -> str:
@@ -519,6 +553,33 @@ class EngineKubelet:
 
     # -- pod lifecycle ---------------------------------------------------------------------
 
+    def _claim_mounts(self, spec: dict[str, Any], container: dict[str, Any]) -> list[ClaimMount]:
+        """The container's persistentVolumeClaim mounts, each claim resolved to its bound PV's hostPath.
+
+        Like the kubelet, a pod whose claim is not bound yet does not start (VolumeNotReady): the pass
+        fails and the next one tries again.
+        """
+        claims = {v["name"]: v["persistentVolumeClaim"] for v in spec.get("volumes") or []
+                  if "persistentVolumeClaim" in v}
+        mounts = []
+        for mount in container.get("volumeMounts") or []:
+            claim = claims.get(mount["name"])
+            if claim is None:
+                continue
+            if mount.get("subPath"):
+                raise ValueError(f"volume {mount['name']}: the e2e kubelet mounts whole claims, not subPath")
+            pvc = json.loads(self.cp.kubectl(
+                "get", "pvc", claim["claimName"], "-n", self.namespace, "-o", "json").stdout)
+            if (pvc.get("status") or {}).get("phase") != "Bound":
+                raise KubeletSyncError(f"claim {claim['claimName']} is not bound yet")
+            pv = json.loads(self.cp.kubectl("get", "pv", pvc["spec"]["volumeName"], "-o", "json").stdout)
+            host_path = (pv["spec"].get("hostPath") or {}).get("path")
+            if not host_path:
+                raise ValueError(f"PV {pv['metadata']['name']}: the e2e kubelet mounts hostPath volumes only")
+            read_only = bool(mount.get("readOnly") or claim.get("readOnly"))
+            mounts.append(ClaimMount(Path(host_path), mount["mountPath"], read_only))
+        return mounts
+
     def _secret_value(self, name: str, key: str) -> str:
         raw = self.cp.kubectl("get", "secret", name, "-n", self.namespace, "-o", "json").stdout
         return base64.b64decode(json.loads(raw)["data"][key]).decode()
@@ -526,12 +587,13 @@ class EngineKubelet:
     def _start(self, pod: dict[str, Any]) -> EnginePod:
         meta, spec = pod["metadata"], pod["spec"]
         name = meta["name"]
+        container = spec["containers"][0]
+        claim_mounts = self._claim_mounts(spec, container)
         if name not in self._networks:
             self._networks[name] = make_pod_network(next(POD_NUMBERS))
         netns, ip = self._networks[name]
         work = self.workdir / name
         work.mkdir(parents=True, exist_ok=True)
-        container = spec["containers"][0]
         config_map = next(v["configMap"]["name"] for v in spec["volumes"] if v["name"] == "config")
         raw = self.cp.kubectl("get", "configmap", config_map, "-n", self.namespace, "-o", "json").stdout
         config = yaml.safe_load(json.loads(raw)["data"]["engine.yaml"])
@@ -561,19 +623,13 @@ class EngineKubelet:
         env["FLASHMODEL_TEST_MEMORY_HOG_FILE"] = str(hog)
         env["FLASHMODEL_TERMINATION_LOG"] = str(work / "termination-log")
         env["PYTHONPATH"] = os.pathsep.join(str(ROOT / p) for p in ("engine", "operator", "kernels", "."))
+        argv = ["ip", "netns", "exec", netns, self.python, "-m", "flashmodel_engine", "launch",
+                "--config", str(work / "engine.yaml")]
+        if claim_mounts:
+            # Only pods with claims: the others start exactly as before, in the host's mount namespace.
+            argv = in_mount_namespace(claim_mounts, argv)
         proc = EngineTree(
-            [
-                "ip",
-                "netns",
-                "exec",
-                netns,
-                self.python,
-                "-m",
-                "flashmodel_engine",
-                "launch",
-                "--config",
-                str(work / "engine.yaml"),
-            ],
+            argv,
             env,
             f"{self.namespace}/{name}",
             log_file=work / "engine.log",

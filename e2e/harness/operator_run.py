@@ -150,8 +150,13 @@ def wait_for(what: str, check: Any, timeout: float = 60, interval: float = 0.25)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
 
 
-def create_model_volume(cp: ControlPlane, namespace: str, claim: str, size: str = "20Gi") -> None:
-    """A bound PVC for `claim` (a static hostPath PV): the scheduler places no pod whose claim is unbound."""
+def create_model_volume(
+    cp: ControlPlane, namespace: str, claim: str, size: str = "20Gi", host_path: Path | None = None
+) -> None:
+    """A bound PVC for `claim` (a static hostPath PV): the scheduler places no pod whose claim is unbound.
+
+    The e2e kubelet mounts `host_path` (default /models/<claim>) where a pod mounts the claim.
+    """
     pv_name = f"{namespace}-{claim}"[:63]
     docs = [
         {
@@ -163,7 +168,7 @@ def create_model_volume(cp: ControlPlane, namespace: str, claim: str, size: str 
                 "accessModes": ["ReadOnlyMany"],
                 "storageClassName": "",
                 "persistentVolumeReclaimPolicy": "Retain",
-                "hostPath": {"path": f"/models/{claim}"},
+                "hostPath": {"path": str(host_path or f"/models/{claim}")},
                 "claimRef": {"namespace": namespace, "name": claim},
             },
         },
