@@ -68,10 +68,10 @@ def _inside_rule(field: str, instead: str = "name the directory from the source'
     )
 
 
-def _inside(path: str, field: str) -> str:
+def _inside(path: str, field: str, subject: str = "the model", fix: str = "") -> str:
     """The operator's own check of _inside_rule, for objects stored before the CRD had it."""
     if ".." in path.split("/"):
-        raise ValueError(f"{field} {path!r} has a '..' segment: the model must stay inside its source")
+        raise ValueError(f"{field} {path!r} has a '..' segment: {subject} must stay inside its source{fix}")
     return path
 
 
@@ -682,10 +682,7 @@ _ADAPTER_INSIDE = Rule(
 
 
 def _adapter_inside(path: str, field: str) -> str:
-    if ".." in path.split("/"):
-        raise ValueError(f"{field} {path!r} has a '..' segment: the adapter must stay inside its source; "
-                         "name its directory from the source's root")
-    return path
+    return _inside(path, field, "the adapter", "; name its directory from the source's root")
 
 
 class AdapterPVCSource(_Spec):
