@@ -193,12 +193,17 @@ class Timeline:
     events: set[str] = field(default_factory=set)
     last_said: float = field(default_factory=time.monotonic)
 
-    def line(self, text: str) -> None:
-        say(f"  +{time.monotonic() - self.t0:6.1f}s  {text}")
+    def line(self, text: str, at: float | None = None) -> None:
+        """Prints `text` stamped with `at` (monotonic; now when None)."""
+        say(f"  +{(time.monotonic() if at is None else at) - self.t0:6.1f}s  {text}")
         self.last_said = time.monotonic()
 
     def look(self) -> list[dict[str, Any]]:
-        """One look: prints what changed; returns the model's pods (terminating ones included)."""
+        """One look: prints what changed; returns the model's pods (terminating ones included).
+
+        Every change one look finds carries the look's time: the changes happened before it, in an
+        order one list of the pods cannot tell, so their offsets must not suggest one."""
+        at = time.monotonic()
         items = self.reads.pods(self.namespace, self.model)
         present = set()
         for pod in items:
@@ -207,14 +212,14 @@ class Timeline:
             facts = pod_facts(pod)
             before = self.pods.get(name)
             if before is None:
-                self.line(f"pod {name}: created; " + "; ".join(f"{k}: {v}" for k, v in facts.items()))
+                self.line(f"pod {name}: created; " + "; ".join(f"{k}: {v}" for k, v in facts.items()), at)
             else:
                 for key, value in facts.items():
                     if before.get(key) != value:
-                        self.line(f"pod {name}: {key}: {before.get(key, '-')} -> {value}")
+                        self.line(f"pod {name}: {key}: {before.get(key, '-')} -> {value}", at)
             self.pods[name] = facts
         for name in sorted(set(self.pods) - present):
-            self.line(f"pod {name}: gone (deleted)")
+            self.line(f"pod {name}: gone (deleted)", at)
             del self.pods[name]
         events = self.reads.events(self.namespace, self.model)
         for event in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or ""):
