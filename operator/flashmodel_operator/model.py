@@ -447,7 +447,7 @@ class AutoscalingSpec(_Spec):
         le=86400,
         json_schema_extra={"format": "int32"},
         description=(
-            "With minReplicas 0: how long the model must see no request (none finished, none held at the "
+            "With minReplicas 0: seconds the model must see no request (none finished, none held at the "
             "gateway) before its last pod is removed (KEDA's cooldownPeriod). Default 300."
         ),
     )
@@ -656,10 +656,10 @@ class RoutingSpec(_Spec):
         le=3600,
         json_schema_extra={"format": "int32"},
         description=(
-            "With autoscaling.minReplicas 0: how long the endpoint picker holds a request while no pod of the "
+            "With autoscaling.minReplicas 0: seconds the endpoint picker holds a request while no pod of the "
             "model can take it (scaled to zero, waking, or every pod saturated) before the client gets HTTP 503 "
-            "(the Gateway should add Retry-After; docs/scale-from-zero.md). Set it above the model's cold start "
-            "(status.startup) so the request that wakes the model is answered. Default 300."
+            "(the Gateway should add Retry-After). Set it above the model's cold start (status.startup) so the "
+            "request that wakes the model is answered. Default 300."
         ),
     )
     failure_mode: Literal["FailClose", "FailOpen"] = Field(
