@@ -98,6 +98,31 @@ def install_gateway_api(cp: ControlPlane) -> None:
         cp.wait_established(f"{plural}.{GATEWAY_GROUP}")
 
 
+BBR_MANAGED_LABEL = "inference.networking.k8s.io/bbr-managed"
+
+
+def base_model_header(cp: ControlPlane, model: str) -> str:
+    """What GIE v1.5's body-based router sets X-Gateway-Base-Model-Name to for a request whose `model` is this.
+
+    The router is not run here (it would be a second ext_proc in front of Envoy's route choice); the
+    tests' client sets the header by the router's own rule (pkg/bbr/plugins/basemodelextractor): the
+    ConfigMaps labelled bbr-managed=true map each adapter to its `baseModel`, a `baseModel` to itself,
+    and any other name to "". So the ConfigMaps the operator rendered decide where a request goes.
+    """
+    found = json.loads(cp.kubectl("get", "configmaps", "-A", "-l", f"{BBR_MANAGED_LABEL}=true", "-o", "json").stdout)
+    adapters: dict[str, str] = {}
+    bases: set[str] = set()
+    for item in found["items"]:
+        data = item.get("data") or {}
+        base = str(data.get("baseModel", "")).strip()
+        if not base:
+            continue
+        bases.add(base)
+        for name in yaml.safe_load(data.get("adapters") or "") or []:
+            adapters[str(name).strip()] = base
+    return adapters.get(model.strip()) or (model.strip() if model.strip() in bases else "")
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -615,6 +615,15 @@ class PickerWeights(_Spec):
             "cache scores higher). Default 3."
         ),
     )
+    lora_affinity: int = Field(
+        default=1, ge=0, le=100,
+        description=(
+            "Relative weight of the LoRA-affinity scorer, used only where LoRA is on: a pod already running "
+            "requests for the asked adapter scores 1, one with a free adapter slot 0.8, one whose slots are "
+            "all busy with other adapters 0. Default 1 (GIE's weight for a scorer given none): a tie-break "
+            "beside queue and KV cache, since every pod holds every adapter."
+        ),
+    )
 
 
 class RoutingSpec(_Spec):

@@ -7,6 +7,13 @@ cold pod, a standby and a pod being drained, so routing inherits what the Servic
 The EPP scrapes each pod's vLLM /metrics on the engine port (queue, KV-cache use) and keeps a
 prefix index of the prompts it routed; its scorers' weights are the model's (spec.routing.picker).
 
+Requests choose the model by the OpenAI `model` through GIE's body-based router (BBR): in v1.5 it sets
+X-Gateway-Base-Model-Name to the base model it looks the body's `model` up to in the ConfigMaps
+labelled inference.networking.k8s.io/bbr-managed (an adapter to its base, a base to itself, anything
+else to ""), so the operator renders one such ConfigMap per routed model, naming its served name and
+its adapters, and the route matches the served name alone. With LoRA on, the EPP also scores pods by
+LoRA affinity (vLLM's vllm:lora_requests_info: the adapters with requests running or waiting).
+
 The EPP's children carry their own labels, not the engine pods' (`app.kubernetes.io/managed-by:
 flashmodel-operator` and `serving.flashmodel.io/model`): the operator's pod and Deployment watches
 select on those, and an EPP pod taken for an engine pod would be prewarmed and health-polled.
@@ -33,9 +40,11 @@ EPP_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 MODEL_NAME_HEADER = "X-Gateway-Base-Model-Name"
-"""Set by GIE's body-based router from the request body's `model` (GIE config/charts/body-based-routing)."""
+"""Set by GIE's body-based router (config/charts/body-based-routing) to the base model of the body's `model`."""
 PICKER_LABEL = f"{GROUP}/picker-for"
 PICKER_CONFIG_HASH = f"{GROUP}/picker-config-hash"
+BBR_MANAGED_LABEL = "inference.networking.k8s.io/bbr-managed"
+"""GIE's body-based router maps adapter names to base models from the ConfigMaps with this label "true"."""
 DEFAULT_EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
 _CONFIG_FILE = "picker.yaml"
 FLOW_CONTROL_GATE = "flowControl"
@@ -103,16 +112,18 @@ def render_pool(
     }
 
 
-def picker_config(routing: RoutingSpec, hold: bool = False) -> str:
+def picker_config(routing: RoutingSpec, lora: bool = False, hold: bool = False) -> str:
     """The EPP's EndpointPickerConfig: GIE's default profile with the model's weights (a 0 weight drops the scorer).
 
-    `hold` (a model that scales to zero) turns on GIE's flow control: a request that finds no pod
-    able to take it (none ready counts as saturated) waits in the picker's queue, which KEDA reads
-    to wake a pod, for at most routing.holdSeconds, then gets 503."""
+    `lora` adds the LoRA-affinity scorer. `hold` (a model that scales to zero) turns on GIE's flow
+    control: a request that finds no pod able to take it (none ready counts as saturated) waits in
+    the picker's queue, which KEDA reads to wake a pod, for at most routing.holdSeconds, then gets 503."""
     weights = {
         "queue-scorer": routing.picker.queue,
         "kv-cache-utilization-scorer": routing.picker.kv_cache_utilization,
         "prefix-cache-scorer": routing.picker.prefix_cache,
+        # GIE's scorer reads vLLM's vllm:lora_requests_info, which vLLM exports only with --enable-lora.
+        "lora-affinity-scorer": routing.picker.lora_affinity if lora else 0,
     }
     scorers = [name for name, weight in weights.items() if weight > 0]
     config: dict[str, Any] = {
@@ -198,7 +209,7 @@ def _picker_container(fm: FlashModel, settings: PickerSettings) -> dict[str, Any
 def render_picker(fm: FlashModel, routing: RoutingSpec, settings: PickerSettings) -> list[dict[str, Any]]:
     """The EPP: its RBAC, config, Deployment (one replica: the prefix index lives in its memory) and Service."""
     name, labels = picker_name(fm), picker_labels(fm)
-    text = picker_config(routing, hold=fm.spec.scales_to_zero)
+    text = picker_config(routing, lora=fm.spec.lora_on, hold=fm.spec.scales_to_zero)
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(fm, name, labels),
               "data": {_CONFIG_FILE: text}}
     deployment = {
@@ -259,9 +270,51 @@ def route_key(fm: FlashModel) -> RouteKey | None:
     return gateway, routing.gateway.section_name or "", tuple(route_matches(fm, routing))
 
 
-def route_winner(fm: FlashModel, created: str, peers: Iterable[Mapping[str, Any]]) -> str | None:
-    """namespace/name of an older FlashModel whose route claims exactly what this one's does, or None.
+def model_names(fm: FlashModel) -> dict[str, str]:
+    """Each OpenAI `model` name that reaches this model through its route -> the base model name the body-based
+    router maps it to: the served name and every adapter's. Empty where the route does not match on model names."""
+    routing = fm.spec.routing
+    if routing is None or routing.gateway is None or not routing.match_model_name:
+        return {}
+    return {fm.served_name: fm.served_name, **{a.name: fm.served_name for a in fm.spec.adapters}}
 
+
+def model_names_name(fm: FlashModel) -> str:
+    return f"{fm.name}-model-names"
+
+
+def render_model_names(fm: FlashModel, engine_labels: dict[str, str]) -> dict[str, Any] | None:
+    """The body-based router's ConfigMap (GIE config/manifests/bbr/configmap.yaml): the served name as the base
+    model, the adapters as its LoRA names; None where the route does not match on model names."""
+    names = model_names(fm)
+    if not names:
+        return None
+    adapters = sorted(n for n in names if n != fm.served_name)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(fm, model_names_name(fm), {**engine_labels, BBR_MANAGED_LABEL: "true"}),
+        "data": {"baseModel": fm.served_name, "adapters": yaml.safe_dump(adapters, default_flow_style=False)},
+    }
+
+
+@dataclass(frozen=True)
+class RouteConflict:
+    """An older FlashModel that already takes some of this model's requests."""
+
+    winner: str
+    """namespace/name of the older FlashModel."""
+    names: tuple[str, ...]
+    """The `model` names the router would map to the other model's base; empty: the route's matches are the same."""
+
+
+def route_conflict(fm: FlashModel, created: str, peers: Iterable[Mapping[str, Any]]) -> RouteConflict | None:
+    """The oldest claim on what this model's route takes, or None.
+
+    Two claims collide when two routes match exactly the same requests on one Gateway, or when a
+    `model` name (a served name or an adapter's) is one model's and another model's under another
+    base name: GIE's body-based router keeps one base per name across every ConfigMap it reads,
+    whichever Gateway the models use, so the later one would silently take the other's requests.
     The oldest wins, by creation time and then namespace/name, which is how the Gateway API resolves
     two routes that match the same requests: refusing the younger route here only says so sooner
     and in the model's status, instead of leaving it attached and silently shadowed.
@@ -269,8 +322,13 @@ def route_winner(fm: FlashModel, created: str, peers: Iterable[Mapping[str, Any]
     key = route_key(fm)
     if key is None:
         return None
+    names = model_names(fm)
     mine = (created, fm.namespace, fm.name)
-    for body in peers:
+    def age(body: Mapping[str, Any]) -> tuple[str, str, str]:
+        meta = body.get("metadata") or {}
+        return str(meta.get("creationTimestamp", "")), str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+    for body in sorted(peers, key=age):
         meta = body.get("metadata") or {}
         if not ((body.get("spec") or {}).get("routing") or {}).get("gateway"):
             continue  # most models have no route: skipped before the costlier parse
@@ -281,9 +339,17 @@ def route_winner(fm: FlashModel, created: str, peers: Iterable[Mapping[str, Any]
             peer = FlashModel.from_body(body)
         except (ValueError, KeyError):
             continue  # an invalid peer has no route
-        if route_key(peer) == key:
-            return f"{peer.namespace}/{peer.name}"
+        other = model_names(peer)
+        clash = tuple(sorted(n for n in names.keys() & other.keys() if names[n] != other[n]))
+        if clash or route_key(peer) == key:
+            return RouteConflict(f"{peer.namespace}/{peer.name}", clash)
     return None
+
+
+def route_winner(fm: FlashModel, created: str, peers: Iterable[Mapping[str, Any]]) -> str | None:
+    """namespace/name of the older FlashModel whose claim collides with this one's (route_conflict), or None."""
+    conflict = route_conflict(fm, created, peers)
+    return conflict.winner if conflict is not None else None
 
 
 def render_route(fm: FlashModel, routing: RoutingSpec, engine_labels: dict[str, str]) -> dict[str, Any] | None:
@@ -321,8 +387,10 @@ def render_routing(
     if routing is None:
         return []
     children = [*render_picker(fm, routing, settings or current()), render_pool(fm, routing, engine_labels, selector)]
+    # The router's name map before the route, so the route never waits on names the router lacks.
+    names = render_model_names(fm, engine_labels)
     route = render_route(fm, routing, engine_labels)
-    return [*children, route] if route is not None else children
+    return [*children, *(c for c in (names, route) if c is not None)]
 
 
 _current = PickerSettings()

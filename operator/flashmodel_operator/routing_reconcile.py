@@ -16,7 +16,15 @@ from kubernetes.client.exceptions import ApiException
 from flashmodel_operator.apply import Cluster
 from flashmodel_operator.model import FlashModel
 from flashmodel_operator.render import common_labels, selector_labels
-from flashmodel_operator.routing import POOL_API, ROUTE_API, picker_name, render_routing, route_key, route_winner
+from flashmodel_operator.routing import (
+    POOL_API,
+    ROUTE_API,
+    model_names_name,
+    picker_name,
+    render_routing,
+    route_conflict,
+    route_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +59,16 @@ def reconcile_routing(
             remove_routing(cluster, body, fm)
         new_status["routing"] = None
         return None
-    winner = route_winner(fm, str(body["metadata"].get("creationTimestamp", "")), peers)
+    conflict = route_conflict(fm, str(body["metadata"].get("creationTimestamp", "")), peers)
     children = render_routing(fm, common_labels(fm), selector_labels(fm))
-    if winner is not None:
-        children = [c for c in children if c["kind"] != "HTTPRoute"]
-        _remove(cluster, body, fm, [(ROUTE_API, "HTTPRoute", fm.name)], f"the FlashModel {winner} claims its matches")
+    names = ("v1", "ConfigMap", model_names_name(fm))
+    if conflict is not None:
+        # Neither the route nor the router's name map: either would take requests the older model serves.
+        children = [c for c in children if c["kind"] != "HTTPRoute" and c["metadata"]["name"] != names[2]]
+        _remove(cluster, body, fm, [(ROUTE_API, "HTTPRoute", fm.name), names],
+                f"the FlashModel {conflict.winner} claims its matches")
+    elif not any(c["kind"] == "ConfigMap" and c["metadata"]["name"] == names[2] for c in children):
+        _remove(cluster, body, fm, [names], "the route no longer matches model names")
     changed: list[str] = []
     for child in children:
         kind, name = child["kind"], child["metadata"]["name"]
@@ -72,13 +85,18 @@ def reconcile_routing(
             changed.append(f"{result} {kind} {name}")
     if changed:
         cluster.event(body, "Normal", "Applied", ", ".join(changed))
-    if winner is not None:
+    if conflict is not None:
+        winner = conflict.winner
         key = route_key(fm)
         assert key is not None
         matches = ", ".join(f"{h}: {v}" for h, v in key[2])
         message = (
             f"no HTTPRoute: the older FlashModel {winner} already routes the same requests ({matches}) on the "
             f"Gateway {key[0]}; change spec.routing.headers or the served name, or remove spec.routing.gateway"
+        ) if not conflict.names else (
+            f"no HTTPRoute: the older FlashModel {winner} already takes the model name(s) {', '.join(conflict.names)} "
+            "(the body-based router maps each name to one model's base, whichever Gateway); rename the adapter or "
+            "the served name, or set spec.routing.matchModelName false"
         )
         if not (body.get("status") or {}).get("routing", {}).get("conflict"):
             cluster.event(body, "Warning", "RouteConflict", message)
@@ -128,7 +146,7 @@ def remove_routing(cluster: Cluster, body: dict[str, Any], fm: FlashModel) -> No
     sent to a pool whose picker is already gone)."""
     name, picker = fm.name, picker_name(fm)
     kinds = [
-        (ROUTE_API, "HTTPRoute", name), (POOL_API, "InferencePool", name),
+        (ROUTE_API, "HTTPRoute", name), ("v1", "ConfigMap", model_names_name(fm)), (POOL_API, "InferencePool", name),
         ("v1", "Service", picker), ("apps/v1", "Deployment", picker), ("v1", "ConfigMap", picker),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", picker), ("rbac.authorization.k8s.io/v1", "Role", picker),
         ("v1", "ServiceAccount", picker),

@@ -14,10 +14,13 @@ from flashmodel_operator.model import FlashModel
 from flashmodel_operator.reconcile import reconcile
 from flashmodel_operator.render import MODEL_LABEL, common_labels, selector_labels
 from flashmodel_operator.routing import (
+    BBR_MANAGED_LABEL,
     MODEL_NAME_HEADER,
     PickerSettings,
+    model_names_name,
     picker_config,
     render_routing,
+    route_conflict,
     route_matches,
     route_winner,
 )
@@ -33,8 +36,12 @@ POOL_CRD = CHART_CRDS / "inference.networking.k8s.io_inferencepools.yaml"
 PVC_MODEL = {"pvc": {"claimName": "models", "path": "qwen"}, "servedName": "qwen"}
 
 
-def _routed(routing: dict[str, Any], name: str = "routed") -> FlashModel:
-    return FlashModel.from_body(body(name, {"model": PVC_MODEL, "routing": routing}))
+def _routed(routing: dict[str, Any], name: str = "routed", **spec: Any) -> FlashModel:
+    return FlashModel.from_body(body(name, {"model": PVC_MODEL, "routing": routing, **spec}))
+
+
+def _adapters(*names: str) -> list[dict[str, Any]]:
+    return [{"name": n, "pvc": {"claimName": "lora", "path": n}} for n in names]
 
 
 def _children(fm: FlashModel) -> dict[str, dict[str, Any]]:
@@ -97,6 +104,83 @@ def test_the_scorer_weights_are_the_models_and_a_zero_weight_drops_its_scorer() 
     defaults = yaml.safe_load(picker_config(_routed({}).spec.routing))  # type: ignore[arg-type]
     assert {p["pluginRef"]: p.get("weight") for p in defaults["schedulingProfiles"][0]["plugins"]} == {
         "queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix-cache-scorer": 3, "max-score-picker": None}
+
+
+def _weights(config: str) -> dict[str, Any]:
+    return {p["pluginRef"]: p.get("weight") for p in yaml.safe_load(config)["schedulingProfiles"][0]["plugins"]}
+
+
+def test_with_lora_on_the_picker_scores_lora_affinity_and_reads_vllms_lora_metric() -> None:
+    with_adapters = _routed({}, adapters=_adapters("support"))
+    config = yaml.safe_load(_names(with_adapters)["ConfigMap/routed-epp"]["data"]["picker.yaml"])
+    assert "lora-affinity-scorer" in {p["type"] for p in config["plugins"]}
+    assert _weights(yaml.safe_dump(config))["lora-affinity-scorer"] == 1
+    # The metrics source GIE's extractor reads vllm:lora_requests_info from: vLLM's own /metrics.
+    assert {"type": "metrics-data-source", "parameters": {"scheme": "http", "path": "/metrics"}} in config["plugins"]
+    # spec.lora alone turns LoRA on (adapters may come later); the weight is the model's; 0 drops the scorer.
+    lora_only = _routed({"picker": {"loraAffinity": 4}}, lora={"maxLoras": 2})
+    assert _weights(_names(lora_only)["ConfigMap/routed-epp"]["data"]["picker.yaml"])["lora-affinity-scorer"] == 4
+    off = _routed({"picker": {"loraAffinity": 0}}, adapters=_adapters("support"))
+    assert "lora-affinity-scorer" not in _names(off)["ConfigMap/routed-epp"]["data"]["picker.yaml"]
+    # Without LoRA vLLM exports no such metric: no scorer, whatever the weight.
+    plain = _routed({"picker": {"loraAffinity": 7}})
+    assert "lora-affinity-scorer" not in _weights(_names(plain)["ConfigMap/routed-epp"]["data"]["picker.yaml"])
+
+
+def _names(fm: FlashModel) -> dict[str, dict[str, Any]]:
+    """The rendered children by kind/name."""
+    rendered = render_routing(fm, common_labels(fm), selector_labels(fm), PickerSettings())
+    return {f"{c['kind']}/{c['metadata']['name']}": c for c in rendered}
+
+
+def test_the_body_based_router_maps_the_adapters_to_the_routes_served_name() -> None:
+    fm = _routed({"gateway": {"name": "edge"}}, adapters=_adapters("triage", "support"))
+    names = _names(fm)[f"ConfigMap/{model_names_name(fm)}"]
+    assert names["metadata"]["labels"][BBR_MANAGED_LABEL] == "true"
+    assert names["metadata"]["ownerReferences"][0]["name"] == "routed"
+    # GIE's adapters store reads baseModel as a string and adapters as a YAML list of strings.
+    assert names["data"]["baseModel"] == "qwen"
+    assert yaml.safe_load(names["data"]["adapters"]) == ["support", "triage"]
+    # The route still matches the base model's name: the router sets it for the adapters' requests too.
+    route = _names(fm)["HTTPRoute/routed"]
+    assert route["spec"]["rules"][0]["matches"][0]["headers"] == [
+        {"type": "Exact", "name": MODEL_NAME_HEADER.lower(), "value": "qwen"}]
+    # A base model without adapters is named too: GIE v1.5's router sets "" for a name no ConfigMap lists.
+    bare = _names(_routed({"gateway": {"name": "edge"}}))["ConfigMap/routed-model-names"]
+    assert bare["data"]["baseModel"] == "qwen" and yaml.safe_load(bare["data"]["adapters"]) == []
+    # No route on model names, no map: without a Gateway, or with matchModelName false.
+    for routing in ({}, {"gateway": {"name": "edge"}, "matchModelName": False,
+                         "headers": [{"name": "X-Task-Type", "value": "chat"}]}):
+        rendered = _names(_routed(routing, adapters=_adapters("support")))
+        assert f"ConfigMap/{model_names_name(fm)}" not in rendered, routing
+
+
+def test_a_model_name_another_model_already_maps_to_another_base_is_a_conflict_on_any_gateway() -> None:
+    def stored(name: str, created: str, served: str, gateway: str, adapters: list[str]) -> dict[str, Any]:
+        found = body(name, {"model": {**PVC_MODEL, "servedName": served}, "adapters": _adapters(*adapters),
+                            "routing": {"gateway": {"name": gateway}}})
+        found["metadata"]["creationTimestamp"] = created
+        return found
+
+    older = stored("a-older", "2026-12-01T00:00:00Z", "qwen", "edge", ["support"])
+    fleet = [older]
+    cases = {
+        # The router keeps one base per name, whichever Gateway the models use.
+        "the same adapter name on another base": (stored("b", "2026-12-02T00:00:00Z", "mistral", "other", ["support"]),
+                                                  ("support",)),
+        "an adapter named as the older model's served name": (
+            stored("c", "2026-12-02T00:00:00Z", "mistral", "edge", ["qwen"]), ("qwen",)),
+        "a served name the older model has as an adapter": (stored("d", "2026-12-02T00:00:00Z", "support", "other", []),
+                                                            ("support",)),
+    }
+    for why, (younger, names) in cases.items():
+        conflict = route_conflict(FlashModel.from_body(younger), "2026-12-02T00:00:00Z", fleet)
+        assert conflict is not None and conflict.winner == "serving/a-older" and conflict.names == names, why
+        assert route_conflict(FlashModel.from_body(older), "2026-12-01T00:00:00Z", [*fleet, younger]) is None, why
+    # The same adapter under the same base name maps to one base: the routes' headers tell the models apart.
+    twin = body("e", {"model": PVC_MODEL, "adapters": _adapters("support"),
+                      "routing": {"gateway": {"name": "edge"}, "headers": [{"name": "X-Task-Type", "value": "b"}]}})
+    assert route_conflict(FlashModel.from_body(twin), "2026-12-02T00:00:00Z", fleet) is None
 
 
 def test_the_route_matches_the_served_name_and_the_headers_on_the_named_gateway() -> None:
@@ -222,3 +306,32 @@ def test_a_younger_conflicting_model_gets_its_pool_but_no_route_on_the_real_api_
         "-o", "jsonpath={.items[*].message}",
     ).stdout
     assert "already routes the same requests" in events
+
+
+def test_an_adapter_named_as_an_older_models_served_name_loses_its_route_and_name_map(
+    control_plane: ControlPlane, k8s_namespace: str, cluster: Cluster
+) -> None:
+    _establish(control_plane, POOL_CRD, POOL_CRD_NAME)
+    ns = k8s_namespace
+    models = WatchedModels()
+    watching = Cluster(cluster.api, models=models)
+    routing = {"gateway": {"name": "edge"}}
+    first = apply_model(control_plane, ns, "first", {"model": PVC_MODEL, "replicas": 1, "routing": routing})
+    models.event("ADDED", first)
+    time.sleep(1.1)  # creation timestamps have whole seconds
+    spec: dict[str, Any] = {"model": {**PVC_MODEL, "servedName": "mistral"}, "replicas": 1, "routing": routing}
+    second = apply_model(control_plane, ns, "second", spec)
+    models.event("ADDED", second)
+    outcome = reconcile(watching, second)
+    assert outcome.applied["ConfigMap/second-model-names"] == "created"
+    # The younger model takes the older one's served name as an adapter: the router would send the older
+    # model's requests here, so this model's name map goes (its route was never applied: no Gateway API CRDs).
+    spec["adapters"] = _adapters("qwen")
+    second = apply_model(control_plane, ns, "second", spec)
+    models.event("MODIFIED", second)
+    reconcile(watching, second)
+    assert cluster.get("v1", "ConfigMap", ns, "second-model-names") is None
+    stored = apply_model(control_plane, ns, "second", spec)
+    condition = _condition(stored, "Routing")
+    assert condition is not None and condition["reason"] == "RouteConflict", condition
+    assert f"{ns}/first" in condition["message"] and "model name(s) qwen" in condition["message"]
