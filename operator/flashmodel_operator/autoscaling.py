@@ -17,6 +17,7 @@ from flashmodel_engine.contract import KV_CACHE_USAGE, REQUESTS_FINISHED, REQUES
 
 from flashmodel_operator import GROUP, KIND, VERSION
 from flashmodel_operator.model import AutoscalingSpec, FlashModel
+from flashmodel_operator.routing import HELD_REQUESTS
 
 PROMETHEUS_URL_ENV = "FLASHMODEL_PROMETHEUS_URL"
 AUTOSCALING = "Autoscaling"
@@ -26,6 +27,12 @@ AUTOSCALING = "Autoscaling"
 REQUESTS_FINISHED_TOTAL = f"{REQUESTS_FINISHED}_total"
 QUEUE_DEPTH = "vllm:num_requests_waiting"
 TTFT_BUCKETS = "vllm:time_to_first_token_seconds_bucket"
+HELD_REQUESTS_TARGET = "held-requests"
+HELD_REQUESTS_PER_REPLICA = 4.0
+"""Held requests per replica to aim for when spec.autoscaling.targetQueueDepth is unset: a few
+requests waiting at the gateway are a queue, as they would be in vLLM's."""
+WAKE_POLLING_SECONDS = 5
+"""KEDA's check interval for a model that scales to zero; the check that wakes it waits up to this long."""
 
 
 def prometheus_url() -> str:
@@ -81,6 +88,17 @@ def targets(fm: FlashModel, scaling: AutoscalingSpec) -> list[Target]:
                 "AverageValue",
             )
         )
+    if fm.spec.scales_to_zero:
+        # Requests the endpoint picker holds while no pod can take them: above zero, KEDA wakes the
+        # model (activation); with pods, held requests mean the pods are saturated, like a queue.
+        out.append(
+            Target(
+                HELD_REQUESTS_TARGET,
+                f"sum({HELD_REQUESTS}{sel}) or vector(0)",
+                scaling.target_queue_depth or HELD_REQUESTS_PER_REPLICA,
+                "AverageValue",
+            )
+        )
     if scaling.target_ttft_milliseconds is not None:
         # p90 over the window; with no request in it the quantile is NaN, which `> 0` drops.
         p90 = f"histogram_quantile(0.9, sum by (le) (rate({TTFT_BUCKETS}{sel}[{window}]))) * 1000"
@@ -110,27 +128,32 @@ def _scale_target(fm: FlashModel) -> dict[str, str]:
 def render_scaled_object(fm: FlashModel, metadata: dict[str, Any], server: str) -> dict[str, Any]:
     scaling = fm.spec.autoscaling
     assert scaling is not None
-    return {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": metadata,
-        "spec": {
-            "scaleTargetRef": _scale_target(fm),
-            "pollingInterval": 15,
-            "minReplicaCount": scaling.min_replicas,
-            "maxReplicaCount": scaling.max_replicas,
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    "name": t.name,
-                    "metricType": t.metric_type,
-                    "metadata": {"serverAddress": server, "query": t.query, "threshold": _number(t.threshold)},
-                }
-                for t in targets(fm, scaling)
-            ],
-        },
+    triggers: list[dict[str, Any]] = [
+        {
+            "type": "prometheus",
+            "name": t.name,
+            "metricType": t.metric_type,
+            "metadata": {"serverAddress": server, "query": t.query, "threshold": _number(t.threshold)},
+        }
+        for t in targets(fm, scaling)
+    ]
+    spec: dict[str, Any] = {
+        "scaleTargetRef": _scale_target(fm),
+        "pollingInterval": 15,
+        "minReplicaCount": scaling.min_replicas,
+        "maxReplicaCount": scaling.max_replicas,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
+        "triggers": triggers,
     }
+    if fm.spec.scales_to_zero:
+        # KEDA itself takes the model from 0 to 1 (the HPA cannot): when any trigger reads above its
+        # activation threshold (0), checked every pollingInterval, which adds to every wake; and
+        # back to 0 once all read 0 for cooldownPeriod.
+        spec["pollingInterval"] = WAKE_POLLING_SECONDS
+        spec["cooldownPeriod"] = scaling.scale_to_zero_after_seconds
+        for trigger in triggers:
+            trigger["metadata"]["activationThreshold"] = "0"
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": metadata, "spec": spec}
 
 
 def _quantity(value: float) -> str:
@@ -250,6 +273,14 @@ def scaler_state(
     metrics = _metric_values(hpa)
     status["metrics"] = metrics
     conds = _conditions(hpa)
+    idle = conds.get("ScalingActive") or {}
+    if fm.spec.scales_to_zero and idle.get("status") == "False" and idle.get("reason") == "ScalingDisabled":
+        # The HPA stands aside while its target has 0 replicas; KEDA watches the triggers to wake it.
+        msg = (
+            f"ScaledObject {fm.name}: the model is at 0 replicas while idle; KEDA wakes it when the endpoint "
+            f"picker holds a request (checked every {WAKE_POLLING_SECONDS}s)"
+        )
+        return ScalerState(True, "ScaledToZero", msg, status)
     for cond_type in ("ScalingActive", "AbleToScale"):
         c = conds.get(cond_type)
         if c is not None and c.get("status") == "False":

@@ -17,6 +17,12 @@ DEGRADED = "Degraded"
 AUTOSCALING = "Autoscaling"
 ROUTING = "Routing"
 ADAPTERS_READY = "AdaptersReady"
+SCALED_TO_ZERO = "ScaledToZero"
+WAKING = "Waking"
+IDLE_AT_ZERO = (
+    "no pod runs while the model is idle (autoscaling.minReplicas 0); the gateway holds the next request "
+    "and the autoscaler wakes a pod for it"
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class Observation:
     """(active, reason, message) of the model's InferencePool and endpoint picker; None without spec.routing."""
     adapters: tuple[bool, str, str] | None = None
     """(loaded everywhere, reason, message) of the model's LoRA adapters; None with LoRA off."""
+    scales_to_zero: bool = False
+    """autoscaling.minReplicas is 0: zero pods is the model idle, not stopped, and the first pod after it is
+    waking a model the gateway holds requests for."""
     remediation_held: Problem | None = None
     """A pod needs replacing and the operator will not act (its restart budget is spent): Degraded says so,
     while Ready and Available still count the pods that serve."""
@@ -106,8 +115,15 @@ def build_conditions(obs: Observation, previous: list[dict[str, Any]], now: str)
 
     if obs.problem is not None:
         ready = _condition(READY, False, obs.problem.reason, obs.problem.message, gen, before, now)
+    elif want == 0 and obs.scales_to_zero:
+        ready = _condition(READY, True, SCALED_TO_ZERO, IDLE_AT_ZERO, gen, before, now)
     elif want == 0:
-        ready = _condition(READY, False, "ScaledToZero", "spec.replicas is 0", gen, before, now)
+        ready = _condition(READY, False, SCALED_TO_ZERO, "spec.replicas is 0", gen, before, now)
+    elif obs.scales_to_zero and min(obs.ready_replicas, obs.prewarmed_replicas) == 0 and obs.problem is None:
+        msg = f"waking from zero: {obs.ready_replicas}/{want} pods ready; the gateway holds requests meanwhile"
+        if obs.unschedulable is not None:
+            msg += f"; {obs.unschedulable}"
+        ready = _condition(READY, False, WAKING, msg, gen, before, now)
     elif min(obs.ready_replicas, obs.prewarmed_replicas) >= want and not rolling:
         ready = _condition(
             READY, True, "AllReplicasReady", f"{obs.ready_replicas}/{want} pods ready and prewarmed", gen, before, now
@@ -142,9 +158,13 @@ def _available(obs: Observation, before: dict[str, dict[str, Any]], now: str) ->
     if serving >= 1:
         return _condition(AVAILABLE, True, "MinimumReplicasAvailable", f"{serving} pods serving", gen, before, now)
     if obs.desired_replicas == 0:
-        return _condition(AVAILABLE, False, "ScaledToZero", "spec.replicas is 0", gen, before, now)
+        message = IDLE_AT_ZERO if obs.scales_to_zero else "spec.replicas is 0"
+        return _condition(AVAILABLE, False, SCALED_TO_ZERO, message, gen, before, now)
     if obs.problem is not None:
         return _condition(AVAILABLE, False, obs.problem.reason, obs.problem.message, gen, before, now)
+    if obs.scales_to_zero:
+        msg = f"waking from zero: {obs.ready_replicas} ready, {obs.prewarmed_replicas} prewarmed"
+        return _condition(AVAILABLE, False, WAKING, msg, gen, before, now)
     msg = f"no pod serves yet: {obs.ready_replicas} ready, {obs.prewarmed_replicas} prewarmed"
     if obs.unschedulable is not None:
         msg += f"; {obs.unschedulable}"

@@ -388,6 +388,12 @@ class RemediationSpec(_Spec):
     hung_readiness_seconds: int = engine_field(RemediationSettings, "hung_readiness_seconds", ge=10)
 
 
+SCALE_TO_ZERO_NEEDS_GATEWAY = (
+    "autoscaling.minReplicas: 0 needs spec.routing and scaler: keda: with no pod running, only the gateway's "
+    "endpoint picker can hold a request and tell KEDA to wake a pod; add spec.routing, or set minReplicas: 1"
+)
+
+
 class AutoscalingSpec(_Spec):
     """Replica bounds and per-replica targets; the autoscaler scales the FlashModel through its scale subresource."""
 
@@ -397,14 +403,6 @@ class AutoscalingSpec(_Spec):
             (
                 "autoscaling.minReplicas must be <= maxReplicas: the HPA cannot keep more replicas than it may "
                 "create; raise maxReplicas or lower minReplicas"
-            ),
-        ),
-        Rule(
-            "!has(self.minReplicas) || self.minReplicas >= 1",
-            (
-                "autoscaling.minReplicas must be at least 1: scale to zero is not supported (a cold T4 pod needs "
-                "minutes to load and prewarm before its first answer); set minReplicas: 1, or remove "
-                "spec.autoscaling and set spec.replicas: 0 to stop the model"
             ),
         ),
         Rule(
@@ -426,18 +424,32 @@ class AutoscalingSpec(_Spec):
             "which needs a custom-metrics adapter serving them."
         ),
     )
-    # No minimum here: a CEL rule refuses 0 with a message that says why scale to zero is not offered.
     min_replicas: int = Field(
         default=1,
+        ge=0,
         le=1000,
         json_schema_extra={"format": "int32"},
-        description="Fewest replicas kept (at least 1; each one is a GPU). Default 1.",
+        description=(
+            "Fewest replicas kept (each one is a GPU). Default 1. 0 scales the model to zero while idle; it needs "
+            "spec.routing and scaler: keda, because with no pod running only the gateway's endpoint picker can "
+            "hold a request (up to spec.routing.holdSeconds) and signal KEDA to wake a pod."
+        ),
     )
     max_replicas: int = Field(
         ge=1,
         le=1000,
         json_schema_extra={"format": "int32"},
         description="Most replicas the autoscaler creates (each one is a GPU).",
+    )
+    scale_to_zero_after_seconds: int = Field(
+        default=300,
+        ge=10,
+        le=86400,
+        json_schema_extra={"format": "int32"},
+        description=(
+            "With minReplicas 0: how long the model must see no request (none finished, none held at the "
+            "gateway) before its last pod is removed (KEDA's cooldownPeriod). Default 300."
+        ),
     )
     target_requests_per_second: float = Field(
         default=8,
@@ -637,6 +649,18 @@ class RoutingSpec(_Spec):
     )
     picker: PickerWeights = Field(
         default_factory=PickerWeights, description="The endpoint picker's scorer weights."
+    )
+    hold_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        json_schema_extra={"format": "int32"},
+        description=(
+            "With autoscaling.minReplicas 0: how long the endpoint picker holds a request while no pod of the "
+            "model can take it (scaled to zero, waking, or every pod saturated) before the client gets HTTP 503 "
+            "(the Gateway should add Retry-After; docs/scale-from-zero.md). Set it above the model's cold start "
+            "(status.startup) so the request that wakes the model is answered. Default 300."
+        ),
     )
     failure_mode: Literal["FailClose", "FailOpen"] = Field(
         default="FailClose",
@@ -916,6 +940,14 @@ class FlashModelSpec(_Spec):
         *accelerator_rules(),
         # LoRA: the profile's ceilings, and no more adapters than a pod holds.
         *_lora_rules(),
+        Rule(
+            (
+                "!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || self.autoscaling.minReplicas >= 1 "
+                "|| (has(self.routing) && (!has(self.autoscaling.scaler) || self.autoscaling.scaler == 'keda'))"
+            ),
+            SCALE_TO_ZERO_NEEDS_GATEWAY,
+            field_path=".autoscaling",
+        ),
     )
 
     model: ModelSpec = Field(
@@ -1078,6 +1110,19 @@ class FlashModelSpec(_Spec):
             lora.max_loras if lora.max_loras is not None else limits.default_loras,
             lora.max_rank if lora.max_rank is not None else limits.default_rank,
         )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """The autoscaler may take the model to zero pods (the gateway holds requests meanwhile)."""
+        return self.autoscaling is not None and self.autoscaling.min_replicas == 0
+
+    @model_validator(mode="after")
+    def _scale_to_zero_behind_gateway(self) -> FlashModelSpec:
+        # The CRD's rule, again for objects stored before the CRD had it.
+        scaling = self.autoscaling
+        if scaling is not None and scaling.min_replicas == 0 and (self.routing is None or scaling.scaler != "keda"):
+            raise ValueError(SCALE_TO_ZERO_NEEDS_GATEWAY)
+        return self
 
     @model_validator(mode="after")
     def _lora_fits(self) -> FlashModelSpec:

@@ -492,6 +492,7 @@ def _observe(
         unschedulable=unschedulable(current_pods),
         autoscaling=None if scaler is None else (scaler.active, scaler.reason, scaler.message),
         routing=_routing_as_before(body) if plan.from_watch else routed,
+        scales_to_zero=fm.spec.scales_to_zero,
         remediation_held=_remediation_held(ns, name),
         # From status.adapters, which the pod watches write as their PUTs are answered.
         adapters=adapter_condition(fm.spec.lora_on, status.get("adapters"), [a.name for a in fm.spec.adapters]),

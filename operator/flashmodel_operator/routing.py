@@ -14,6 +14,7 @@ select on those, and an EPP pod taken for an engine pod would be prewarmed and h
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -34,8 +35,13 @@ EPP_METRICS_PORT = 9090
 MODEL_NAME_HEADER = "X-Gateway-Base-Model-Name"
 """Set by GIE's body-based router from the request body's `model` (GIE config/charts/body-based-routing)."""
 PICKER_LABEL = f"{GROUP}/picker-for"
+PICKER_CONFIG_HASH = f"{GROUP}/picker-config-hash"
 DEFAULT_EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
 _CONFIG_FILE = "picker.yaml"
+FLOW_CONTROL_GATE = "flowControl"
+"""GIE's feature gate for request queueing in the EPP (pkg/epp/flowcontrol)."""
+HELD_REQUESTS = "inference_extension_flow_control_queue_size"
+"""The EPP's gauge of requests its flow control holds (labels inference_pool, model_name, ...)."""
 
 
 @dataclass(frozen=True)
@@ -97,15 +103,19 @@ def render_pool(
     }
 
 
-def picker_config(routing: RoutingSpec) -> str:
-    """The EPP's EndpointPickerConfig: GIE's default profile with the model's weights (a 0 weight drops the scorer)."""
+def picker_config(routing: RoutingSpec, hold: bool = False) -> str:
+    """The EPP's EndpointPickerConfig: GIE's default profile with the model's weights (a 0 weight drops the scorer).
+
+    `hold` (a model that scales to zero) turns on GIE's flow control: a request that finds no pod
+    able to take it (none ready counts as saturated) waits in the picker's queue, which KEDA reads
+    to wake a pod, for at most routing.holdSeconds, then gets 503."""
     weights = {
         "queue-scorer": routing.picker.queue,
         "kv-cache-utilization-scorer": routing.picker.kv_cache_utilization,
         "prefix-cache-scorer": routing.picker.prefix_cache,
     }
     scorers = [name for name, weight in weights.items() if weight > 0]
-    config = {
+    config: dict[str, Any] = {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
         "plugins": [
@@ -124,6 +134,9 @@ def picker_config(routing: RoutingSpec) -> str:
             }
         ],
     }
+    if hold:
+        config["featureGates"] = [FLOW_CONTROL_GATE]
+        config["flowControl"] = {"defaultRequestTTL": f"{routing.hold_seconds}s"}
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -185,8 +198,9 @@ def _picker_container(fm: FlashModel, settings: PickerSettings) -> dict[str, Any
 def render_picker(fm: FlashModel, routing: RoutingSpec, settings: PickerSettings) -> list[dict[str, Any]]:
     """The EPP: its RBAC, config, Deployment (one replica: the prefix index lives in its memory) and Service."""
     name, labels = picker_name(fm), picker_labels(fm)
+    text = picker_config(routing, hold=fm.spec.scales_to_zero)
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(fm, name, labels),
-              "data": {_CONFIG_FILE: picker_config(routing)}}
+              "data": {_CONFIG_FILE: text}}
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -197,7 +211,9 @@ def render_picker(fm: FlashModel, routing: RoutingSpec, settings: PickerSettings
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": labels},
             "template": {
-                "metadata": {"labels": labels},
+                # The EPP reads its config once, at start: a changed config rolls the picker.
+                "metadata": {"labels": labels,
+                             "annotations": {PICKER_CONFIG_HASH: hashlib.sha256(text.encode()).hexdigest()[:16]}},
                 "spec": {
                     "serviceAccountName": name,
                     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},

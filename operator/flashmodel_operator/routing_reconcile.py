@@ -169,10 +169,15 @@ def warn_no_ready_endpoint(
     """
     if fm.spec.routing is None or desired == 0 or ready_now > 0 or not ready_before:
         return False
+    if fm.spec.scales_to_zero:
+        # Its picker runs flow control: requests wait instead of failing at once.
+        answer = f"holds this model's requests for up to {fm.spec.routing.hold_seconds}s each, then answers 503,"
+    else:
+        answer = "answers this model's requests through the Gateway with 503"
     cluster.event(
         body, "Warning", "NoReadyEndpoint",
         f"the InferencePool {fm.name} has no ready pod (it had {ready_before}): the endpoint picker "
-        f"{picker_name(fm)} answers this model's requests through the Gateway with 503 until a pod is ready again",
+        f"{picker_name(fm)} {answer} until a pod is ready again",
     )
     log.warning("event=no-ready-endpoint model=%s/%s ready_before=%d", fm.namespace, fm.name, ready_before)
     return True

@@ -571,22 +571,35 @@ def test_rbac_create_false_renders_no_roles() -> None:
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
 
 
-def test_engine_pod_monitor_only_where_served_and_relabels_like_the_documented_scrape_job() -> None:
+def test_pod_monitors_only_where_served_and_relabel_like_the_documented_scrape_jobs() -> None:
     assert not by_kind(render(), "PodMonitor")  # no prometheus-operator: nothing to install
     served = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
     labels = ["--set", "engineMetrics.podMonitor.labels.release=p"]
     args = ["template", "fm", str(CHART), "--kube-version", KUBE_VERSION, *served, *labels]
-    monitor = one([d for d in yaml.safe_load_all(helm(*args).stdout) if d], "PodMonitor")
-    assert monitor["metadata"]["labels"]["release"] == "p"
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
-    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"]) == ("health", "/metrics")
-    # The same target labels as the plain-Prometheus job: the autoscaler's queries and the dashboard need them.
-    [job] = yaml.safe_load((CHART / "files" / "prometheus-scrape-config.yaml").read_text())
-    documented = {(tuple(r["source_labels"]), r["target_label"]) for r in job["relabel_configs"] if "target_label" in r}
-    assert {(tuple(r["sourceLabels"]), r["targetLabel"]) for r in endpoint["relabelings"]} == documented
-    model_label = "serving.flashmodel.io/model"
-    assert monitor["spec"]["selector"]["matchExpressions"] == [{"key": model_label, "operator": "Exists"}]
+    docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodMonitor"}
+    jobs = {j["job_name"]: j for j in yaml.safe_load((CHART / "files" / "prometheus-scrape-config.yaml").read_text())}
+    # Each monitor is its plain-Prometheus job: the same pods, port and target labels (the autoscaler's
+    # queries, the wake from zero and the dashboard need them).
+    pairs = [
+        ("fm-flashmodel-operator-engines", "flashmodel-engines", "health", "serving.flashmodel.io/model"),
+        ("fm-flashmodel-operator-pickers", "flashmodel-pickers", "metrics", "serving.flashmodel.io/picker-for"),
+    ]
+    assert sorted(monitors) == sorted(m for m, _, _, _ in pairs) and sorted(jobs) == sorted(j for _, j, _, _ in pairs)
+    for name, job_name, port, selector_label in pairs:
+        monitor, job = monitors[name], jobs[job_name]
+        assert monitor["metadata"]["labels"]["release"] == "p"
+        assert monitor["spec"]["namespaceSelector"] == {"any": True}
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        assert (endpoint["port"], endpoint["path"]) == (port, "/metrics")
+        relabel = job["relabel_configs"]
+        documented = {(tuple(r["source_labels"]), r["target_label"]) for r in relabel if "target_label" in r}
+        assert {(tuple(r["sourceLabels"]), r["targetLabel"]) for r in endpoint["relabelings"]} == documented
+        assert monitor["spec"]["selector"]["matchExpressions"] == [{"key": selector_label, "operator": "Exists"}]
+        kept = {r["source_labels"][0]: r["regex"] for r in relabel if r.get("action") == "keep"}
+        assert kept["__meta_kubernetes_pod_container_port_name"] == port
+        meta_label = "__meta_kubernetes_pod_label_" + re.sub(r"[./-]", "_", selector_label)
+        assert kept[meta_label] == ".+"
 
 
 def test_dashboard_config_map_carries_the_dashboard_json_for_the_grafana_sidecar() -> None:

@@ -121,7 +121,7 @@ def test_upgrade_from_the_crds_folder_chart_upgrades_the_crd_and_uninstall_keeps
     assert uid(cp, "survivor") == survivor
     # The new CRD's own CEL rules are live too.
     too_low = create(cp, flashmodel("too-low", autoscaling={"minReplicas": 0, "maxReplicas": 2}), check=False)
-    assert too_low.returncode != 0 and "autoscaling.minReplicas must be at least 1" in too_low.stderr
+    assert too_low.returncode != 0 and "autoscaling.minReplicas: 0 needs spec.routing" in too_low.stderr
 
     uninstall = cp.helm("uninstall", RELEASE, "-n", NAMESPACE)
     assert f"kept due to the resource policy:\n[CustomResourceDefinition] {CRD}" in uninstall.stdout

@@ -198,12 +198,23 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "raise maxReplicas or lower minReplicas",
     ),
     (
-        "autoscaling-to-zero",
+        "autoscaling-to-zero-without-gateway",
         {"model": MODEL, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
         "spec.autoscaling",
-        "autoscaling.minReplicas must be at least 1: scale to zero is not supported (a cold T4 pod needs minutes to "
-        "load and prewarm before its first answer); set minReplicas: 1, or remove spec.autoscaling and set "
-        "spec.replicas: 0 to stop the model",
+        "autoscaling.minReplicas: 0 needs spec.routing and scaler: keda: with no pod running, only the gateway's "
+        "endpoint picker can hold a request and tell KEDA to wake a pod; add spec.routing, or set minReplicas: 1",
+    ),
+    (
+        "autoscaling-to-zero-with-hpa",
+        {"model": MODEL, "routing": {}, "autoscaling": {"scaler": "hpa", "minReplicas": 0, "maxReplicas": 2}},
+        "spec.autoscaling",
+        "autoscaling.minReplicas: 0 needs spec.routing and scaler: keda",
+    ),
+    (
+        "routing-hold-too-long",
+        {"model": MODEL, "routing": {"holdSeconds": 7200}},
+        "spec.routing.holdSeconds",
+        "should be less than or equal to 3600",
     ),
     (
         "autoscaling-ttft-with-hpa",
@@ -494,6 +505,17 @@ def test_hub_token_cache_and_tracing_are_accepted_with_their_defaults(
                                     "otlpTracesProtocol": "grpc"}
 
 
+def test_scale_to_zero_behind_the_gateway_is_accepted_with_its_defaults(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    spec = {"model": MODEL, "routing": {}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}
+    rc, stderr = create(control_plane, namespace, "idle", spec)
+    assert rc == 0, stderr
+    got = get(control_plane, namespace, "idle")["spec"]
+    assert got["autoscaling"]["minReplicas"] == 0 and got["autoscaling"]["scaleToZeroAfterSeconds"] == 300
+    assert got["routing"]["holdSeconds"] == 300
+
+
 def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namespace: str) -> None:
     spec = {
         "model": {"pvc": {"claimName": "models"}, "servedName": "qwen"},
@@ -510,6 +532,7 @@ def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namesp
         "scaler": "keda",
         "minReplicas": 1,
         "maxReplicas": 3,
+        "scaleToZeroAfterSeconds": 300,
         "targetRequestsPerSecond": 8,
         "windowSeconds": 60,
         "scaleUpStabilizationSeconds": 60,
