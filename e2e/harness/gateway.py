@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import http.client
 import itertools
 import json
 import logging
@@ -119,6 +120,57 @@ def install_gateway_api(cp: ControlPlane) -> None:
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(gateway_api_crds()))
     for plural in ("gateways", "httproutes"):
         cp.wait_established(f"{plural}.{GATEWAY_GROUP}")
+
+
+def serve_gateway_kinds(cp: ControlPlane) -> None:
+    """The chart's InferencePool CRD option (GIE v1.5.0's) and the Gateway API kinds: what a model's routing needs."""
+    from e2e.harness.operator_run import helm_install  # the chart's install; imported where it is used
+
+    helm_install(cp, "gateway.installInferencePoolCRD=true")
+    cp.wait_established("inferencepools.inference.networking.k8s.io")
+    install_gateway_api(cp)
+
+
+def create_gateway(cp: ControlPlane, namespace: str, name: str) -> None:
+    """The Gateway a GatewayController plays the controller of, with one HTTP listener."""
+    gateway = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+               "metadata": {"name": name, "namespace": namespace},
+               "spec": {"gatewayClassName": "e2e", "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]}}
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(gateway))
+
+
+@dataclass
+class Answer:
+    """One request's answer through the Gateway."""
+
+    status: int
+    """The HTTP status; 0 when no HTTP answer came."""
+    body: str
+    seconds: float
+    client_id: str
+    headers: dict[str, str] = field(default_factory=dict)
+    """Response headers, lower-cased names."""
+    answered_at: float = 0.0
+    """time.time() when the answer (or the failure) came."""
+
+
+def post_completion(port: int, headers: dict[str, str], client_id: str, *, model: str, prompt: str = "hello",
+                    max_tokens: int = 4, timeout: float = 120) -> Answer:
+    """One /v1/completions through the Gateway on 127.0.0.1:port, tagged X-Client-Id (Envoy's access log has it)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=body,
+                     headers={"Content-Type": "application/json", "X-Client-Id": client_id, **headers})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        return Answer(resp.status, text, time.monotonic() - t0, client_id,
+                      {k.lower(): v for k, v in resp.getheaders()}, time.time())
+    except OSError as exc:
+        return Answer(0, f"{type(exc).__name__}: {exc}", time.monotonic() - t0, client_id, answered_at=time.time())
+    finally:
+        conn.close()
 
 
 def _now() -> str:
