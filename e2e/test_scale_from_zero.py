@@ -16,8 +16,8 @@ request evicted from queue: request TTL expired", Envoy's local reply mapper add
 the gauge carries fairness_id, priority, inference_pool, model_name, target_model_name (and
 namespace, pod, flashmodel from the scrape job), 1 while held and 0 after.
 
-Engines started by this file: one (the wake), and a second that the hold-limit test's request
-wakes after its 503, which no test waits for.
+Engines started by this file: one (the wake), and maybe a second: the hold-limit test's request
+can wake the model before its 503 (KEDA may read it within its 5 s hold); no test waits for that one.
 """
 
 from __future__ import annotations
