@@ -27,9 +27,16 @@ from flashmodel_operator.render import PREWARM_GATE
 from flashmodel_operator.routing import MODEL_NAME_HEADER
 
 from e2e.harness.cluster import ControlPlane
-from e2e.harness.gateway import GatewayController, PickerKubelet, install_gateway_api
+from e2e.harness.gateway import (
+    Answer,
+    GatewayController,
+    PickerKubelet,
+    create_gateway,
+    post_completion,
+    serve_gateway_kinds,
+)
 from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
-from e2e.harness.operator_run import get_json, helm_install, live_pods, scrape, wait_for
+from e2e.harness.operator_run import get_json, live_pods, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,30 +59,11 @@ class Front:
     gateway: GatewayController
 
 
-@dataclass
-class Answer:
-    status: int
-    body: str
-    seconds: float
-    client_id: str
-
-
 def ask(front: Front, headers: dict[str, str], prompt: str = "hello", max_tokens: int = 4,
         timeout: float = 120) -> Answer:
     """One completion through the Gateway; status 0 when no HTTP answer came."""
-    client_id = f"c{next(CLIENT_IDS)}"
-    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    t0 = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", front.gateway.port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"Content-Type": "application/json", "X-Client-Id": client_id, **headers})
-        resp = conn.getresponse()
-        return Answer(resp.status, resp.read().decode(errors="replace"), time.monotonic() - t0, client_id)
-    except OSError as exc:
-        return Answer(0, f"{type(exc).__name__}: {exc}", time.monotonic() - t0, client_id)
-    finally:
-        conn.close()
+    return post_completion(front.gateway.port, headers, f"c{next(CLIENT_IDS)}", model=SERVED_NAME, prompt=prompt,
+                           max_tokens=max_tokens, timeout=timeout)
 
 
 def chat_headers(key: str = API_KEY) -> dict[str, str]:
@@ -147,16 +135,10 @@ def front(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Front]:
     cp = control_plane
-    # The chart's own CRD option (the InferencePool from GIE v1.5.0), and the Gateway API kinds.
-    helm_install(cp, "gateway.installInferencePoolCRD=true")
-    cp.wait_established("inferencepools.inference.networking.k8s.io")
-    install_gateway_api(cp)
+    serve_gateway_kinds(cp)
     ns = cp.create_namespace("gateway")
     cp.kubectl("create", "secret", "generic", "chat-keys", "-n", ns, f"--from-literal=api-key={API_KEY}")
-    gateway = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
-               "metadata": {"name": GATEWAY, "namespace": ns},
-               "spec": {"gatewayClassName": "e2e", "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]}}
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(gateway))
+    create_gateway(cp, ns, GATEWAY)
     work = tmp_path_factory.mktemp("gateway")
     common: dict[str, Any] = {
         "prewarm": {"requests": 2, "maxTokens": 8, "timeoutSeconds": 180},

@@ -17,9 +17,13 @@ What is translated, and why (everything else is the rendered pod's as the operat
   alone" annotation and a toleration for the kwok nodes' taint, as it does for engine pods through
   podTemplatePatch (the operator has no patch for picker pods).
 - Each EPP runs in this machine's network namespace (the test API server listens on loopback only,
-  which a pod's own namespace cannot reach), so its pod is like a hostNetwork pod: podIP 127.0.0.1
-  and its three ports (gRPC 9002, health 9003, metrics 9090) moved to free local ports, appended
-  as --grpc-port/--grpc-health-port/--metrics-port. The ports stay with the pod across restarts.
+  which a pod's own namespace cannot reach), and binds its three ports (gRPC 9002, health 9003,
+  metrics 9090) on every interface, so they are moved to free local ports, appended as
+  --grpc-port/--grpc-health-port/--metrics-port. The pod still has an address of its own: a
+  loopback address no other pod has (Linux routes all of 127.0.0.0/8 to the loopback device), its
+  podIP, where each container port is forwarded to the moved one. So Prometheus's pod discovery
+  scrapes `podIP:9090` as in a cluster, the way it reaches the engine pods at theirs. Address and
+  ports stay with the pod across restarts of its EPP.
 - KUBECONFIG (the EPP has no --kubeconfig flag): the test API server with a token of the pod's own
   ServiceAccount (`kubectl create token`), so the operator's Role for the picker is what it gets.
 - `--config-file /config/picker.yaml`: the ConfigMap volume's file, written to the pod's work folder.
@@ -30,10 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import http.client
+import itertools
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -55,6 +62,23 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 RESTART_BACKOFF_SECONDS = 5.0
 GATEWAY_GROUP = "gateway.networking.k8s.io"
 CONTROLLER_NAME = "flashmodel.io/e2e-gateway"
+RETRY_AFTER_SECONDS = 5
+"""What Envoy's Retry-After says on a 503 it answers itself: the picker's "request timed out in queue"
+(the model's hold limit ran out while no pod was ready) is the one a client should come back from."""
+HELD_REQUEST_TIMEOUT = "3600s"
+"""Envoy's ext_proc message timeout and stream idle timeout, while the picker holds a request: the
+longest hold a FlashModel allows (spec.routing.holdSeconds, at most 3600 s), which is also the
+longest message timeout Envoy accepts. Envoy's own defaults would end a held request first (GIE's
+standalone Envoy: a 1000 s message timeout and Envoy's default 300 s stream idle timeout, which
+answers 504 "stream timeout"), and only the picker's 503 says when to come back."""
+# Picker pod n of this process lives at 127.<PICKER_NET>.<n // 250>.<n % 250 + 1>: outside kwok's
+# POD_CIDR (127.16.0.0/16), and per process so that two harnesses on one machine never share one.
+PICKER_NET = 100 + os.getpid() % 100
+PICKER_NUMBERS = itertools.count(1)
+
+
+def picker_address(n: int) -> str:
+    return f"127.{PICKER_NET}.{n // 250}.{n % 250 + 1}"
 
 
 def gateway_api_crds() -> list[dict[str, Any]]:
@@ -123,6 +147,57 @@ def base_model_header(cp: ControlPlane, model: str) -> str:
     return adapters.get(model.strip()) or (model.strip() if model.strip() in bases else "")
 
 
+def serve_gateway_kinds(cp: ControlPlane) -> None:
+    """The chart's InferencePool CRD option (GIE v1.5.0's) and the Gateway API kinds: what a model's routing needs."""
+    from e2e.harness.operator_run import helm_install  # the chart's install; imported where it is used
+
+    helm_install(cp, "gateway.installInferencePoolCRD=true")
+    cp.wait_established("inferencepools.inference.networking.k8s.io")
+    install_gateway_api(cp)
+
+
+def create_gateway(cp: ControlPlane, namespace: str, name: str) -> None:
+    """The Gateway a GatewayController plays the controller of, with one HTTP listener."""
+    gateway = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+               "metadata": {"name": name, "namespace": namespace},
+               "spec": {"gatewayClassName": "e2e", "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]}}
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(gateway))
+
+
+@dataclass
+class Answer:
+    """One request's answer through the Gateway."""
+
+    status: int
+    """The HTTP status; 0 when no HTTP answer came."""
+    body: str
+    seconds: float
+    client_id: str
+    headers: dict[str, str] = field(default_factory=dict)
+    """Response headers, lower-cased names."""
+    answered_at: float = 0.0
+    """time.time() when the answer (or the failure) came."""
+
+
+def post_completion(port: int, headers: dict[str, str], client_id: str, *, model: str, prompt: str = "hello",
+                    max_tokens: int = 4, timeout: float = 120) -> Answer:
+    """One /v1/completions through the Gateway on 127.0.0.1:port, tagged X-Client-Id (Envoy's access log has it)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=body,
+                     headers={"Content-Type": "application/json", "X-Client-Id": client_id, **headers})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        return Answer(resp.status, text, time.monotonic() - t0, client_id,
+                      {k.lower(): v for k, v in resp.getheaders()}, time.time())
+    except OSError as exc:
+        return Answer(0, f"{type(exc).__name__}: {exc}", time.monotonic() - t0, client_id, answered_at=time.time())
+    finally:
+        conn.close()
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -144,6 +219,59 @@ def grpc_health(port: int, service: str, timeout: float = 1.0) -> bool:
     return answer == b"\x08\x01"
 
 
+class PortForward:
+    """Accepts TCP on ip:port and relays each connection to 127.0.0.1:target (a pod port to where its process is)."""
+
+    def __init__(self, ip: str, port: int, target: int) -> None:
+        self.ip, self.port, self.target = ip, port, target
+        self._server = socket.socket()
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._server.bind((ip, port))
+        except OSError as exc:
+            self._server.close()
+            raise RuntimeError(f"picker pod address {ip}:{port}: cannot listen ({exc}); another process of "
+                               f"this machine holds port {port} on every address") from None
+        self._server.listen(64)
+        self._thread = threading.Thread(target=self._accept, name=f"forward-{ip}:{port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+        except OSError:  # the process is not listening (yet): the client sees a refused connection
+            client.close()
+            return
+        upstream.settimeout(None)
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+        back = threading.Thread(target=pump, args=(upstream, client), daemon=True)
+        back.start()
+        pump(client, upstream)
+        back.join()
+        client.close()
+        upstream.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+
+
 @dataclass
 class PickerPod:
     """One EPP pod this kubelet runs."""
@@ -153,6 +281,9 @@ class PickerPod:
     workdir: Path
     ports: dict[int, int]
     """containerPort -> the local port it was moved to."""
+    ip: str = "127.0.0.1"
+    """The pod's own address (podIP): each container port is forwarded from here to its local port."""
+    forwards: list[PortForward] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     ready: bool = False
     restarts: int = 0
@@ -183,7 +314,7 @@ class PickerKubelet:
         self._stop.set()
         self._thread.join(timeout=30)
         for pod in list(self.pods.values()):
-            self._stop_process(pod)
+            self._remove(pod)
 
     # -- for tests -------------------------------------------------------------------------
 
@@ -240,7 +371,7 @@ class PickerKubelet:
                 running = self.pods.get(name)
             if meta.get("deletionTimestamp"):
                 if running is not None:
-                    self._stop_process(running)
+                    self._remove(running)
                     with self.lock:
                         self.pods.pop(name, None)
                 self.cp.kubectl("delete", "pod", name, "-n", self.namespace, "--grace-period=0", "--force",
@@ -254,7 +385,14 @@ class PickerKubelet:
             for p in gone:
                 self.pods.pop(p.name, None)
         for p in gone:
-            self._stop_process(p)
+            self._remove(p)
+
+    def _remove(self, picker: PickerPod) -> None:
+        """The pod is gone: its process, and its address with it."""
+        self._stop_process(picker)
+        for forward in picker.forwards:
+            forward.close()
+        picker.forwards.clear()
 
     def _adopt(self, pod: dict[str, Any]) -> None:
         # What podTemplatePatch does for engine pods: kwok leaves the status to this kubelet, and the
@@ -277,7 +415,10 @@ class PickerKubelet:
             ports=dict(zip(container_ports, free_ports(len(container_ports)), strict=True)),
             health_service=str((probe.get("grpc") or {}).get("service", "")),
             probe_period=float(probe.get("periodSeconds", 10)),
+            ip=picker_address(next(PICKER_NUMBERS)),
         )
+        picker.forwards = [PortForward(picker.ip, container_port, local)
+                           for container_port, local in picker.ports.items()]
         picker.workdir.mkdir(parents=True, exist_ok=True)
         with self.lock:
             self.pods[picker.name] = picker
@@ -375,7 +516,7 @@ class PickerKubelet:
         if picker.exit_code is not None:
             container["lastState"] = {"terminated": {"exitCode": picker.exit_code, "reason": "Error"}}
         status = {
-            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}], "hostIP": "127.0.0.1",
+            "phase": "Running", "podIP": picker.ip, "podIPs": [{"ip": picker.ip}], "hostIP": "127.0.0.1",
             "startTime": (pod.get("status") or {}).get("startTime") or _now(),
             "conditions": [{"type": t, "status": "True" if wanted[t] else "False", "lastTransitionTime": _now()}
                            for t in changed],
@@ -469,7 +610,7 @@ def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_
                     "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
                     "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
                 },
-                "message_timeout": "1000s",
+                "message_timeout": HELD_REQUEST_TIMEOUT,
             },
         })
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
@@ -478,6 +619,14 @@ def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_
         "start": "%START_TIME(%s.%3f)%", "upstream": "%UPSTREAM_HOST%", "code": "%RESPONSE_CODE%",
         "flags": "%RESPONSE_FLAGS%", "route": "%ROUTE_NAME%", "id": "%REQ(X-REQUEST-ID)%",
         "client_id": "%REQ(X-CLIENT-ID)%", "details": "%RESPONSE_CODE_DETAILS%",
+    }
+    # A 503 Envoy answers itself (an ext_proc ImmediateResponse is a local reply too) says when to
+    # come back; an engine's own 503 is an upstream's answer and passes unchanged.
+    retry_after_mapper = {
+        "filter": {"status_code_filter": {"comparison": {
+            "op": "EQ", "value": {"default_value": 503, "runtime_key": "gateway.retry_after.status"}}}},
+        "headers_to_add": [{"header": {"key": "Retry-After", "value": str(RETRY_AFTER_SECONDS)},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
     }
     h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -525,6 +674,8 @@ def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_
                             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
                             "path": str(access_log), "log_format": {"json_format": log_format}}}],
                         "use_remote_address": True,
+                        "stream_idle_timeout": HELD_REQUEST_TIMEOUT,
+                        "local_reply_config": {"mappers": [retry_after_mapper]},
                     },
                 }]}],
             }],
@@ -674,7 +825,6 @@ class GatewayController:
                  "--concurrency", "1", "--file-flush-interval-msec", "100"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        self.routes = routes
         log.info("event=envoy-started pid=%d port=%d routes=%s", self.proc.pid, self.port, [r.name for r in routes])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -683,6 +833,8 @@ class GatewayController:
 
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as resp:
                     if resp.status == 200:
+                        # Only now: a test that sees its route in `routes` can send through it.
+                        self.routes = routes
                         return
             time.sleep(0.2)
         raise RuntimeError(f"Envoy did not become ready: {(self.workdir / 'envoy.log').read_text()[-2000:]}")
