@@ -659,16 +659,17 @@ class RoutingSpec(_Spec):
     picker: PickerWeights = Field(
         default_factory=PickerWeights, description="The endpoint picker's scorer weights."
     )
+    # Below Envoy's longest ext_proc message timeout (1 h), so the picker's 503 comes before the Gateway's 504.
     hold_seconds: int = Field(
-        default=300,
+        default=240,
         ge=1,
-        le=3600,
+        le=1800,
         json_schema_extra={"format": "int32"},
         description=(
             "With autoscaling.minReplicas 0: seconds the endpoint picker holds a request while no pod of the "
             "model can take it (scaled to zero, waking, or every pod saturated) before the client gets HTTP 503 "
             "(the Gateway should add Retry-After). Set it above the model's cold start (status.startup) so the "
-            "request that wakes the model is answered. Default 300."
+            "request that wakes the model is answered. Default 240, under Envoy's default stream idle timeout (300 s)."
         ),
     )
     failure_mode: Literal["FailClose", "FailOpen"] = Field(

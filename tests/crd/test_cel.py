@@ -214,7 +214,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, str]] = [
         "routing-hold-too-long",
         {"model": MODEL, "routing": {"holdSeconds": 7200}},
         "spec.routing.holdSeconds",
-        "should be less than or equal to 3600",
+        "should be less than or equal to 1800",
     ),
     (
         "autoscaling-ttft-with-hpa",
@@ -513,7 +513,7 @@ def test_scale_to_zero_behind_the_gateway_is_accepted_with_its_defaults(
     assert rc == 0, stderr
     got = get(control_plane, namespace, "idle")["spec"]
     assert got["autoscaling"]["minReplicas"] == 0 and got["autoscaling"]["scaleToZeroAfterSeconds"] == 300
-    assert got["routing"]["holdSeconds"] == 300
+    assert got["routing"]["holdSeconds"] == 240
 
 
 def test_nested_defaults_fill_partial_blocks(control_plane: ControlPlane, namespace: str) -> None:
