@@ -291,28 +291,32 @@ class Timeline:
 
     cp: ControlPlane
     ns: str
-    seen: list[tuple[float, dict[str, set[str]]]] = field(default_factory=list)
-    """(time, {"ready": pods Ready then, "gated": pods whose prewarm gate was True then})."""
+    seen: list[tuple[float, float, dict[str, set[str]]]] = field(default_factory=list)
+    """(asked, answered, {"ready": pods Ready then, "gated": pods whose prewarm gate was True then}): the API's
+    answer is the pods as they were at some moment between the two times."""
     stop: threading.Event = field(default_factory=threading.Event)
 
     def poll(self) -> None:
         while not self.stop.is_set():
+            asked = time.time()
             pods = live_pods(self.cp, self.ns, CHAT)
             KNOWN_PODS.update({f"{p['status']['podIP']}:8000": p["metadata"]["name"]
                                for p in pods if (p.get("status") or {}).get("podIP")})
             ready = {p["metadata"]["name"] for p in pods if _ready(p)}
             gated = {p["metadata"]["name"] for p in pods if _gate(p).get("status") == "True"}
-            self.seen.append((time.time(), {"ready": ready, "gated": gated}))
+            self.seen.append((asked, time.time(), {"ready": ready, "gated": gated}))
             self.stop.wait(0.2)
 
     def near(self, at: float, slack: float, which: str) -> set[str]:
         """Pods in set `which` ("ready", "gated") at the last poll before `at - slack`, at any poll from then
         to `at`, or at the first poll after it: the picker learns of a pod's readiness through its watch, a
         moment after the API has it, and the API has it a moment before this poll sees it."""
-        before = [sets[which] for t, sets in self.seen if t < at - slack][-1:]
-        # And the first poll after `at`: a pod that turned Ready between two polls serves at once.
-        after = [sets[which] for t, sets in self.seen if t > at][:1]
-        return set().union(*before, *after, *(sets[which] for t, sets in self.seen if at - slack <= t <= at))
+        before = [sets[which] for _, answered, sets in self.seen if answered < at - slack][-1:]
+        # And the first poll asked after `at`: a pod that turned Ready between two polls serves at once.
+        # (A poll answered after `at` but asked before it may show the pods as they were before `at`.)
+        after = [sets[which] for asked, _, sets in self.seen if asked > at][:1]
+        during = [sets[which] for asked, answered, sets in self.seen if answered >= at - slack and asked <= at]
+        return set().union(*before, *after, *during)
 
 
 def test_only_serving_pods_get_requests_and_a_remediation_through_the_gateway_loses_none(
