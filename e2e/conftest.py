@@ -38,10 +38,10 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def gateway_parts() -> Path:
-    """The gateway's EPP and Envoy (scripts/gateway.sh): FLASHMODEL_GATEWAY, else under the cache."""
+    """The gateway's EPP, body-based router and Envoy (scripts/gateway.sh): FLASHMODEL_GATEWAY, else under the cache."""
     cache = Path(os.environ.get("FLASHMODEL_CACHE", Path.home() / ".cache" / "flashmodel"))
     parts = Path(os.environ.get("FLASHMODEL_GATEWAY") or cache / "gateway")
-    absent = [p for p in ("epp", "envoy") if not os.access(parts / p, os.X_OK)]
+    absent = [p for p in ("epp", "bbr", "envoy") if not os.access(parts / p, os.X_OK)]
     if absent:
         missing_part(f"the gateway parts at {parts} lack {', '.join(absent)}: run scripts/gateway.sh")
     return parts

