@@ -559,6 +559,17 @@ def router_rbac(namespace: str) -> list[dict[str, Any]]:
     ]
 
 
+def stop_process_group(proc: subprocess.Popen[bytes], grace: float = 10) -> None:
+    """SIGTERM to the process's group (it was started in a session of its own), SIGKILL after `grace` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @dataclass
 class BodyRouter:
     """GIE v1.5.0's body-based router (cmd/bbr), the real binary, in front of the Gateway's route choice.
@@ -607,15 +618,8 @@ class BodyRouter:
         raise RuntimeError(f"the body-based router did not serve: {(self.workdir / 'bbr.log').read_text()[-2000:]}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc)
         self.proc = None
 
 
@@ -937,14 +941,7 @@ class GatewayController:
         raise RuntimeError(f"Envoy did not become ready: {(self.workdir / 'envoy.log').read_text()[-2000:]}")
 
     def _stop_envoy(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc)
         self.proc = None
 
